@@ -1,0 +1,7 @@
+"""rope: rotary position embedding in Triton, with TransformerEngine's API and semantics."""
+from . import reference
+from .embedding import RotaryPositionEmbedding
+from .functional import apply_rotary_pos_emb
+
+__all__ = ["apply_rotary_pos_emb", "RotaryPositionEmbedding", "reference"]
+__version__ = "0.1.0"

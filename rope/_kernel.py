@@ -1,0 +1,152 @@
+"""The one Triton kernel: forward and backward (adjoint) RoPE for every format and mode.
+
+Work decomposition. Tokens that share a position share their angles, so a program owns one
+*group* of rows with a common position and loops over them: the angles are loaded and their
+sine and cosine computed once per program, then reused for every row (head, and batch entry
+where positions do not depend on it). Accurate float32 sin/cos cost tens of instructions; done
+once per element they would make the kernel compute-bound, done once per group they are free.
+
+- sbhd/bshd without start_positions: group = one s index, rows = all b*h (b, h) pairs.
+- sbhd/bshd with start_positions:    group = one (s, b) pair, rows = its h heads.
+- thd:                               group = one token, rows = its h heads; its sequence is found
+                                     by a binary search in cu_seqlens, so the grid is sized by tokens.
+Large groups are split over `program_id(1)` so that small s still fills the GPU.
+
+Channels: the rotated part is handled as two [rows, d2/2] halves `a` and `b` = partner(a):
+half-split reads them as two contiguous slices; interleaved reads one contiguous [rows, d2] slice
+and splits even/odd lanes in registers, so every global access stays wide. Channels d2..d are
+copied in the same program.
+
+Adjoint. With sa = sin f[a], sb = sin f[b]:
+  forward   out_a = xa cos fa - xb sa        out_b = xb cos fb + xa sb
+  backward  out_a = ga cos fa + gb sb        out_b = gb cos fb - ga sa
+i.e. the backward is the forward with (sa, sb) replaced by (-sb, -sa): each element takes its
+partner's sine. It equals a rotation by -theta only when fa == fb, which the contract never assumes.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_row_chunk(ptr, row_off, cols, stride_d, mask):
+    return tl.load(ptr + row_off[:, None] + cols[None, :] * stride_d, mask=mask)
+
+
+@triton.jit
+def rope_kernel(
+    x_ptr, out_ptr, freqs_ptr, start_ptr, cu_ptr,
+    n_heads, n_batch, rows_per_group, rows_per_program,
+    seq_len, n_seqs, freqs_len, cp_size, cp_rank,
+    stride_xs, stride_xb, stride_xh, stride_xd,
+    stride_os, stride_ob, stride_oh,
+    stride_fs, stride_fd,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+):
+    HALF: tl.constexpr = ROT_DIM // 2
+    group = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+
+    # ---- which token(s) this group is, and its position -------------------------------------
+    if GROUP_PER_BATCH:
+        s_idx = group // n_batch
+        b_idx = group % n_batch
+    else:
+        s_idx = group
+        b_idx = 0
+    if IS_THD:
+        # Largest q with cu[q] / cp_size <= token (empty sequences are skipped by "largest").
+        lo = 0
+        hi = n_seqs
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            below = tl.load(cu_ptr + mid).to(tl.int64) // cp_size <= s_idx
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid - 1)
+        seq_start = tl.load(cu_ptr + lo).to(tl.int64) // cp_size
+        length = tl.load(cu_ptr + lo + 1).to(tl.int64) // cp_size - seq_start
+        j = s_idx - seq_start
+        seq_idx = lo
+    else:
+        length = seq_len
+        j = s_idx
+        seq_idx = b_idx
+    pos = j
+    if USE_CP:
+        c = length // 2
+        pos = tl.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
+    if HAS_START:
+        pos = pos + tl.load(start_ptr + seq_idx).to(tl.int64)
+    # Only reachable when value checks were skipped (graph capture): never read past freqs;
+    # the rotated channels of such a token become NaN instead.
+    pos_ok = (pos >= 0) & (pos < freqs_len)
+
+    # ---- angles: once per program ------------------------------------------------------------
+    k = tl.arange(0, BLOCK_HALF)
+    k_ok = k < HALF
+    if INTERLEAVED:
+        col_a = 2 * k
+        col_b = 2 * k + 1
+    else:
+        col_a = k
+        col_b = k + HALF
+    f_row = freqs_ptr + tl.where(pos_ok, pos, 0) * stride_fs
+    fa = tl.load(f_row + col_a * stride_fd, mask=k_ok, other=0.0)
+    fb = tl.load(f_row + col_b * stride_fd, mask=k_ok, other=0.0)
+    fa = tl.where(pos_ok, fa, float("nan"))
+    fb = tl.where(pos_ok, fb, float("nan"))
+    cos_a = tl.cos(fa)
+    cos_b = tl.cos(fb)
+    if BACKWARD:
+        sin_a = -tl.sin(fb)
+        sin_b = -tl.sin(fa)
+    else:
+        sin_a = tl.sin(fa)
+        sin_b = tl.sin(fb)
+    cos_a = cos_a[None, :]
+    cos_b = cos_b[None, :]
+    sin_a = sin_a[None, :]
+    sin_b = sin_b[None, :]
+
+    # ---- rows ----------------------------------------------------------------------------------
+    x_base = s_idx * stride_xs + b_idx * stride_xb
+    o_base = s_idx * stride_os + b_idx * stride_ob
+    r_begin = split * rows_per_program
+    r_end = tl.minimum(r_begin + rows_per_program, rows_per_group)
+    r = tl.arange(0, BLOCK_R)
+    for r0 in range(r_begin, r_end, BLOCK_R):
+        rows = (r0 + r).to(tl.int64)
+        r_ok = rows < r_end
+        if GROUP_PER_BATCH:
+            x_row = x_base + rows * stride_xh
+            o_row = o_base + rows * stride_oh
+        else:
+            b_of_row = rows // n_heads
+            h_of_row = rows % n_heads
+            x_row = x_base + b_of_row * stride_xb + h_of_row * stride_xh
+            o_row = o_base + b_of_row * stride_ob + h_of_row * stride_oh
+        if INTERLEAVED:
+            cols = tl.arange(0, 2 * BLOCK_HALF)
+            m = r_ok[:, None] & (cols < ROT_DIM)[None, :]
+            x = _load_row_chunk(x_ptr, x_row, cols, stride_xd, m).to(tl.float32)
+            xa, xb = tl.split(tl.reshape(x, (BLOCK_R, BLOCK_HALF, 2)))
+        else:
+            m = r_ok[:, None] & k_ok[None, :]
+            xa = _load_row_chunk(x_ptr, x_row, col_a, stride_xd, m).to(tl.float32)
+            xb = _load_row_chunk(x_ptr, x_row, col_b, stride_xd, m).to(tl.float32)
+        out_a = xa * cos_a - xb * sin_a
+        out_b = xb * cos_b + xa * sin_b
+        out_ty = out_ptr.dtype.element_ty
+        if INTERLEAVED:
+            y = tl.reshape(tl.join(out_a, out_b), (BLOCK_R, 2 * BLOCK_HALF))
+            tl.store(out_ptr + o_row[:, None] + cols[None, :], y.to(out_ty), mask=m)
+        else:
+            tl.store(out_ptr + o_row[:, None] + col_a[None, :], out_a.to(out_ty), mask=m)
+            tl.store(out_ptr + o_row[:, None] + col_b[None, :], out_b.to(out_ty), mask=m)
+        if BLOCK_TAIL > 0:
+            t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+            mt = r_ok[:, None] & (t_cols < HEAD_DIM)[None, :]
+            tail = _load_row_chunk(x_ptr, x_row, t_cols, stride_xd, mt)
+            tl.store(out_ptr + o_row[:, None] + t_cols[None, :], tail, mask=mt)

@@ -1,0 +1,185 @@
+"""Argument checks shared by the Triton path and the reference (SPEC.md sections 2, 3 and 5).
+
+Everything that depends only on shapes, dtypes, devices and plain Python values is checked in
+`check_static`; the result is cacheable per call signature. Checks that need the *values* of
+`cu_seqlens` or `start_positions` live in `check_positions`: they cost one device-to-host copy and
+are skipped while a CUDA graph is being captured or a graph is being traced, where a copy is not
+allowed. The kernel never reads `freqs` out of range even then (it writes NaN for such tokens).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+FORMATS = ("sbhd", "bshd", "thd")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+class Layout(NamedTuple):
+    """What the checks learned about a call, in the (s, b, h, d) roles the kernel uses.
+
+    For `thd`, s is the token count T and b is 1.
+    """
+
+    s: int
+    b: int
+    h: int
+    d: int
+    rot_dim: int
+    freqs_len: int
+    n_seqs: int  # thd only: number of sequences (len(cu_seqlens) - 1)
+
+
+def _fail(exc, msg):
+    raise exc(msg)
+
+
+def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                 allow_float64: bool) -> Layout:
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, f"t: expected a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(freqs, torch.Tensor):
+        _fail(TypeError, f"freqs: expected a torch.Tensor, got {type(freqs).__name__}")
+    allowed = FLOAT_DTYPES + ((torch.float64,) if allow_float64 else ())
+    if t.dtype not in allowed:
+        extra = "" if allow_float64 else " (float64 runs only with fused=False, the reference)"
+        _fail(TypeError, f"t: expected dtype float32, float16 or bfloat16{extra}, got {t.dtype}")
+    if not freqs.is_floating_point():
+        _fail(TypeError, f"freqs: expected floating-point angles, got {freqs.dtype}")
+    if tensor_format not in FORMATS:
+        _fail(ValueError, f"tensor_format: expected one of {FORMATS}, got {tensor_format!r}")
+    if not isinstance(interleaved, bool):
+        _fail(TypeError, f"interleaved: expected a bool, got {type(interleaved).__name__}")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        _fail(ValueError, f"cp_size: expected an int >= 1, got {cp_size!r}")
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        _fail(ValueError, f"cp_rank: expected an int in [0, cp_size={cp_size}), got {cp_rank!r}")
+
+    want_dim = 3 if tensor_format == "thd" else 4
+    if t.dim() != want_dim:
+        names = {"sbhd": "[s, b, h, d]", "bshd": "[b, s, h, d]", "thd": "[t, h, d]"}
+        _fail(ValueError, f"t: tensor_format {tensor_format!r} expects a {want_dim}-D tensor "
+                          f"{names[tensor_format]}, got shape {tuple(t.shape)}")
+    if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
+        _fail(ValueError, f"freqs: expected shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
+    d = t.shape[-1]
+    s2, d2 = freqs.shape[0], freqs.shape[3]
+    if d2 < 2 or d2 % 2 or d2 > d:
+        _fail(ValueError, f"freqs: rotary width d2 = freqs.shape[-1] must be even with 2 <= d2 <= d = {d}, "
+                          f"got d2 = {d2}")
+    if freqs.device != t.device:
+        _fail(ValueError, f"freqs: expected the device of t ({t.device}), got {freqs.device}")
+
+    if tensor_format == "thd":
+        if cu_seqlens is None:
+            _fail(ValueError, "cu_seqlens: required when tensor_format is 'thd'")
+        _check_index_tensor("cu_seqlens", cu_seqlens, t)
+        if cu_seqlens.shape[0] < 1:
+            _fail(ValueError, "cu_seqlens: expected shape [n + 1] with n >= 0, got an empty tensor")
+        s, b, h = t.shape[0], 1, t.shape[1]
+        n_seqs = cu_seqlens.shape[0] - 1
+        n_pos = n_seqs
+    else:
+        if cu_seqlens is not None:
+            _fail(ValueError, f"cu_seqlens: only valid with tensor_format 'thd', got {tensor_format!r}")
+        if tensor_format == "sbhd":
+            s, b, h = t.shape[0], t.shape[1], t.shape[2]
+        else:
+            b, s, h = t.shape[0], t.shape[1], t.shape[2]
+        n_seqs = 0
+        n_pos = b
+        if cp_size > 1 and s % 2:
+            _fail(ValueError, f"t: with cp_size > 1 the local sequence length must be even, got {s}")
+        if s > 0 and _max_position(s, cp_size, cp_rank) >= s2:
+            _fail(ValueError, f"freqs: too short: positions reach {_max_position(s, cp_size, cp_rank)} "
+                              f"but freqs has s2 = {s2} rows")
+
+    if start_positions is not None:
+        if cp_size > 1:
+            _fail(ValueError, "start_positions: not supported together with cp_size > 1")
+        _check_index_tensor("start_positions", start_positions, t)
+        if start_positions.shape[0] != n_pos:
+            what = "the number of sequences" if tensor_format == "thd" else "the batch size"
+            _fail(ValueError, f"start_positions: expected shape [{n_pos}] ({what}), "
+                              f"got {tuple(start_positions.shape)}")
+    return Layout(s, b, h, d, d2, s2, n_seqs)
+
+
+def _check_index_tensor(name, x, t):
+    if not isinstance(x, torch.Tensor):
+        _fail(TypeError, f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INT_DTYPES:
+        _fail(TypeError, f"{name}: expected dtype int32 or int64, got {x.dtype}")
+    if x.dim() != 1:
+        _fail(ValueError, f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
+    if x.device != t.device:
+        _fail(ValueError, f"{name}: expected the device of t ({t.device}), got {x.device}")
+
+
+def _max_position(length: int, cp_size: int, cp_rank: int) -> int:
+    """Largest position a sequence of local length `length` reaches (SPEC.md section 3)."""
+    if cp_size == 1:
+        return length - 1
+    c = length // 2
+    return (2 * cp_size - cp_rank) * c - 1
+
+
+def skip_value_checks() -> bool:
+    """True while reading device values would break a capture or a trace."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
+    """Checks on the values of `cu_seqlens` and `start_positions` (one device-to-host copy)."""
+    if cu_seqlens is None and start_positions is None:
+        return
+    if skip_value_checks():
+        return
+    s, s2 = layout.s, layout.freqs_len
+    if tensor_format == "thd":
+        cu = cu_seqlens.to(torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        local = lengths // cp_size
+        flags = [
+            cu[0] != 0,
+            (lengths < 0).any(),
+            cu[-1] != s * cp_size,
+            (lengths % (2 * cp_size) != 0).any() if cp_size > 1 else torch.zeros((), dtype=torch.bool),
+        ]
+        if start_positions is not None:
+            sp = start_positions.to(torch.int64)
+            nonempty = local > 0
+            flags.append((nonempty & (sp < 0)).any())
+            last = torch.where(nonempty, sp + local - 1, torch.zeros_like(sp))
+        else:
+            half = local // 2
+            last = (2 * cp_size - cp_rank) * half - 1 if cp_size > 1 else local - 1
+            flags.append(torch.zeros((), dtype=torch.bool))
+        top = last.max() if last.numel() else torch.zeros((), dtype=torch.int64, device=cu.device)
+        values = torch.stack([f.to(torch.int64) for f in flags] + [top.to(torch.int64)]).tolist()
+        bad_start, bad_order, bad_total, bad_cp, bad_neg, max_pos = values
+        if bad_start:
+            _fail(ValueError, "cu_seqlens: must start at 0")
+        if bad_order:
+            _fail(ValueError, "cu_seqlens: must be non-decreasing")
+        if bad_total:
+            _fail(ValueError, f"cu_seqlens: last value must equal t.shape[0] * cp_size = {s * cp_size}, "
+                              f"got {int(cu_seqlens[-1])}")
+        if bad_cp:
+            _fail(ValueError, f"cu_seqlens: with cp_size = {cp_size} every sequence length must be a "
+                              f"multiple of 2 * cp_size = {2 * cp_size}")
+        if bad_neg:
+            _fail(ValueError, "start_positions: must be >= 0")
+        if max_pos >= s2:
+            _fail(ValueError, f"freqs: too short: positions reach {max_pos} but freqs has s2 = {s2} rows")
+    elif start_positions is not None and s > 0 and layout.b > 0:
+        lo, hi = torch.stack(torch.aminmax(start_positions)).tolist()
+        if lo < 0:
+            _fail(ValueError, f"start_positions: must be >= 0, got {lo}")
+        if hi + s - 1 >= s2:
+            _fail(ValueError, f"freqs: too short: start_positions reach {hi}, so positions reach "
+                              f"{hi + s - 1}, but freqs has s2 = {s2} rows")

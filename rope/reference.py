@@ -1,0 +1,76 @@
+"""Pure-PyTorch rotary position embedding: the oracle for the Triton kernels.
+
+It follows SPEC.md section 3 literally: positions are built per token, angles are gathered per
+token, and every channel i < d2 is combined with its partner pi(i) and sign sigma(i). The backward
+comes from autograd through these same operations, so it is the exact adjoint by construction.
+
+Precision: angles are read as float32 (float64 stays float64), arithmetic runs in float32 for
+float32/float16/bfloat16 inputs and in float64 for float64 inputs, and the result is rounded once
+to t.dtype. Run it on `t.double()` with float32 angles to get the float64 oracle.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._validate import check_positions, check_static
+
+
+def partner_and_sign(rot_dim: int, interleaved: bool, device=None):
+    """Index of each channel's partner and the sign sigma(i) of the partner's term (SPEC.md section 3)."""
+    i = torch.arange(rot_dim, device=device)
+    if interleaved:
+        partner = i ^ 1
+        first = i % 2 == 0
+    else:
+        half = rot_dim // 2
+        partner = (i + half) % rot_dim
+        first = i < half
+    sign = torch.where(first, -1.0, 1.0)
+    return partner, sign
+
+
+def cp_position(j: torch.Tensor, length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global position of local index j in a sequence of local length `length` (dual-chunk layout)."""
+    if cp_size == 1:
+        return j
+    c = length // 2
+    return torch.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
+
+
+def token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, device):
+    """Position of every token: shape [s, b] for sbhd/bshd (in s, b roles), [t] for thd."""
+    if tensor_format == "thd":
+        cu = [int(v) // cp_size for v in cu_seqlens.tolist()]
+        parts = []
+        for q in range(len(cu) - 1):
+            length = cu[q + 1] - cu[q]
+            pos = cp_position(torch.arange(length, device=device), length, cp_size, cp_rank)
+            if start_positions is not None:
+                pos = pos + int(start_positions[q])
+            parts.append(pos)
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+    s, b = layout.s, layout.b
+    pos = cp_position(torch.arange(s, device=device), s, cp_size, cp_rank)[:, None].expand(s, b)
+    if start_positions is not None:
+        pos = pos + start_positions.to(device=device, dtype=torch.int64)[None, :]
+    return pos
+
+
+def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
+                         fused=False, cu_seqlens=None, cp_size=1, cp_rank=0):
+    """Reference implementation with the signature of `rope.apply_rotary_pos_emb` (`fused` is ignored)."""
+    layout = check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
+                          cp_rank, allow_float64=True)
+    check_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    compute = torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32
+    d2 = layout.rot_dim
+    angles = freqs[:, 0, 0, :].to(torch.float32 if freqs.dtype != torch.float64 else torch.float64)
+    pos = token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, t.device)
+    f = angles[pos].to(compute)  # [s, b, d2] or [t, d2]
+    if tensor_format == "bshd":
+        f = f.transpose(0, 1)
+    f = f.unsqueeze(-2)  # broadcast over heads
+    x = t[..., :d2].to(compute)
+    partner, sign = partner_and_sign(d2, interleaved, t.device)
+    rotated = x * torch.cos(f) + sign.to(compute) * x[..., partner] * torch.sin(f)
+    return torch.cat([rotated.to(t.dtype), t[..., d2:]], dim=-1)
