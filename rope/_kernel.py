@@ -33,6 +33,21 @@ def _load_row_chunk(ptr, row_off, cols, stride_d, mask):
 
 
 @triton.jit
+def _to_output(v, out_ty: tl.constexpr, RNE_BF16: tl.constexpr):
+    """Round float32 `v` once to the output type.
+
+    Triton's CPU interpreter converts float32 to bfloat16 by truncation, the GPU rounds to nearest
+    even. Under the interpreter (RNE_BF16) the rounding is done on the bits first, so that the
+    conversion after it is exact and both paths give the same, correctly rounded, result.
+    """
+    if RNE_BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(out_ty)
+
+
+@triton.jit
 def rope_kernel(
     x_ptr, out_ptr, freqs_ptr, start_ptr, cu_ptr,
     n_heads, n_batch, rows_per_group, rows_per_program,
@@ -43,7 +58,7 @@ def rope_kernel(
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
 ):
     HALF: tl.constexpr = ROT_DIM // 2
     group = tl.program_id(0).to(tl.int64)
@@ -141,10 +156,10 @@ def rope_kernel(
         out_ty = out_ptr.dtype.element_ty
         if INTERLEAVED:
             y = tl.reshape(tl.join(out_a, out_b), (BLOCK_R, 2 * BLOCK_HALF))
-            tl.store(out_ptr + o_row[:, None] + cols[None, :], y.to(out_ty), mask=m)
+            tl.store(out_ptr + o_row[:, None] + cols[None, :], _to_output(y, out_ty, RNE_BF16), mask=m)
         else:
-            tl.store(out_ptr + o_row[:, None] + col_a[None, :], out_a.to(out_ty), mask=m)
-            tl.store(out_ptr + o_row[:, None] + col_b[None, :], out_b.to(out_ty), mask=m)
+            tl.store(out_ptr + o_row[:, None] + col_a[None, :], _to_output(out_a, out_ty, RNE_BF16), mask=m)
+            tl.store(out_ptr + o_row[:, None] + col_b[None, :], _to_output(out_b, out_ty, RNE_BF16), mask=m)
         if BLOCK_TAIL > 0:
             t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
             mt = r_ok[:, None] & (t_cols < HEAD_DIM)[None, :]

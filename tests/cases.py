@@ -1,0 +1,58 @@
+"""Building blocks for tests: devices, random inputs and the float64 reference run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rope
+import rope._launch
+from rope import reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+
+
+def make_t(tensor_format, s, b, h, d, dtype, gen, layout="contiguous", device=DEVICE):
+    """Random t of the format's shape, in the requested memory layout (values N(0, 1))."""
+    shape = {"sbhd": (s, b, h, d), "bshd": (b, s, h, d), "thd": (s, h, d)}[tensor_format]
+
+    def rand(size):
+        return torch.randn(size, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+    if layout == "contiguous":
+        return rand(shape)
+    if layout == "transposed":  # memory of the other format: (0, 1) swapped
+        return rand((shape[1], shape[0]) + shape[2:]).transpose(0, 1)
+    if layout == "strided_last":  # last-dim stride 2
+        return rand(shape[:-1] + (2 * d,))[..., ::2]
+    if layout == "sliced":  # a slice of a wider last dim, e.g. q out of a fused qkv projection
+        return rand(shape[:-1] + (d + 24,))[..., 8:8 + d]
+    raise ValueError(layout)
+
+
+def make_freqs(s2, d2, gen, max_angle=10.0, device=DEVICE):
+    """Random float32 angles whose two halves differ: the contract is elementwise."""
+    f = torch.rand((s2, 1, 1, d2), generator=gen, dtype=torch.float64) * max_angle
+    return f.float().to(device)
+
+
+def run_both(t, freqs, g, **kw):
+    """(out, grad) from rope and (ref, ref_grad) from the float64 reference, for upstream grad g."""
+    x = t.detach().clone().requires_grad_()
+    out = rope.apply_rotary_pos_emb(x, freqs, **kw)
+    out.backward(g)
+    x64 = t.detach().double().requires_grad_()
+    ref = reference.apply_rotary_pos_emb(x64, freqs, **kw)
+    ref.backward(g.double())
+    return out, x.grad, ref, x64.grad
+
+
+@pytest.fixture
+def poison_outputs(monkeypatch):
+    """Every tensor the launcher allocates starts as NaN: an unwritten element cannot pass."""
+
+    def nan_empty(*args, **kwargs):
+        return torch.full(*args, float("nan"), **kwargs)
+
+    monkeypatch.setattr(rope._launch, "empty", nan_empty)

@@ -1,0 +1,213 @@
+"""Core contract (SPEC.md sections 1-5): every format, mode and dtype against the float64 reference.
+
+Runs on the GPU with realistic shapes, and on the CPU through Triton's interpreter with small ones.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import rope
+from rope import reference
+
+from .cases import DEVICE, ON_GPU, gpu_only, make_freqs, make_t, poison_outputs, run_both  # noqa: F401
+from .numerics import assert_within_rounding
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (cp_size, cp_rank) or "start": the position modes, which are mutually exclusive
+POSITION_MODES = [None, "start", (2, 0), (2, 1), (3, 2)]
+# (s, b, h, d) per device: the interpreter runs one program at a time
+SHAPE = (24, 3, 5, 48) if ON_GPU else (8, 2, 3, 16)
+THD_LENGTHS = [12, 0, 24, 6, 36, 0, 18] if ON_GPU else [4, 0, 6, 2]
+
+
+def _cu(lengths, device=DEVICE):
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=device)
+
+
+def _case(tensor_format, dtype, interleaved, partial, mode, seed, max_angle=10.0, layout="contiguous"):
+    gen = torch.Generator().manual_seed(seed)
+    s, b, h, d = SHAPE
+    d2 = d // 2 if partial else d
+    kw = dict(tensor_format=tensor_format, interleaved=interleaved)
+    cp_size = 1
+    if isinstance(mode, tuple):
+        cp_size, kw["cp_rank"] = mode
+        kw["cp_size"] = cp_size
+    if tensor_format == "thd":
+        lengths = [n * cp_size * 2 for n in THD_LENGTHS]  # divisible by 2 * cp_size
+        cu = _cu(lengths)
+        s = sum(lengths) // cp_size
+        kw["cu_seqlens"] = cu
+        n_pos = len(lengths)
+        longest = max(lengths)
+    else:
+        n_pos = b
+        longest = s * cp_size
+    s2 = longest + 16
+    if mode == "start":
+        kw["start_positions"] = torch.randint(0, 16, (n_pos,), generator=gen).to(DEVICE)
+    t = make_t(tensor_format, s, b, h, d, dtype, gen, layout)
+    freqs = make_freqs(s2, d2, gen, max_angle)
+    g = torch.randn(t.shape, generator=gen).to(dtype).to(DEVICE)
+    return t, freqs, g, kw, d2
+
+
+@pytest.mark.parametrize("mode", POSITION_MODES, ids=str)
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+def test_matches_float64_reference(tensor_format, dtype, interleaved, partial, mode, poison_outputs):  # noqa: F811
+    t, freqs, g, kw, d2 = _case(tensor_format, dtype, interleaved, partial, mode, seed=hash(
+        (tensor_format, str(dtype), interleaved, partial, str(mode))) % 2**31)
+    t_before = t.clone()
+    out, grad, ref, ref_grad = run_both(t, freqs, g, **kw)
+    assert out.dtype == dtype and out.is_contiguous()
+    assert_within_rounding(out, ref, t, d2, interleaved, "forward")
+    assert_within_rounding(grad, ref_grad, g, d2, interleaved, "backward")
+    assert torch.equal(t, t_before), "t was modified"
+
+
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_context_angles(tensor_format, dtype):
+    """Angles up to 2e5 rad: approximate sin/cos instructions would be off by whole percents here."""
+    t, freqs, g, kw, d2 = _case(tensor_format, dtype, False, False, None, seed=7, max_angle=2e5)
+    out, grad, ref, ref_grad = run_both(t, freqs, g, **kw)
+    assert_within_rounding(out, ref, t, d2, False, "forward")
+    assert_within_rounding(grad, ref_grad, g, d2, False, "backward")
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided_last", "sliced"])
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
+def test_any_strides(tensor_format, layout, interleaved, poison_outputs):  # noqa: F811
+    t, freqs, g, kw, d2 = _case(tensor_format, torch.bfloat16, interleaved, True, None, seed=11, layout=layout)
+    assert not t.is_contiguous()
+    out, grad, ref, ref_grad = run_both(t, freqs, g, **kw)
+    assert out.is_contiguous()
+    assert_within_rounding(out, ref, t, d2, interleaved, "forward")
+    assert_within_rounding(grad, ref_grad, g, d2, interleaved, "backward")
+
+
+@pytest.mark.parametrize("shape,d2", [
+    ((1, 1, 1, 2), 2), ((3, 2, 17, 80), 80), ((5, 2, 3, 80), 64), ((4, 1, 2, 96), 32), ((2, 3, 1, 6), 4),
+])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
+def test_odd_sizes(shape, d2, interleaved, poison_outputs):  # noqa: F811
+    gen = torch.Generator().manual_seed(3)
+    s, b, h, d = shape
+    t = make_t("sbhd", s, b, h, d, torch.float32, gen)
+    freqs = make_freqs(s + 3, d2, gen)
+    g = torch.randn(t.shape, generator=gen).to(DEVICE)
+    out, grad, ref, ref_grad = run_both(t, freqs, g, tensor_format="sbhd", interleaved=interleaved)
+    assert_within_rounding(out, ref, t, d2, interleaved, "forward")
+    assert_within_rounding(grad, ref_grad, g, d2, interleaved, "backward")
+
+
+@pytest.mark.parametrize("tensor_format,shape,cu", [
+    ("sbhd", (0, 2, 3, 8), None), ("sbhd", (4, 0, 3, 8), None), ("bshd", (2, 4, 0, 8), None),
+    ("thd", (0, 3, 8), [0]), ("thd", (0, 3, 8), [0, 0, 0]),
+])
+def test_empty(tensor_format, shape, cu):
+    t = torch.randn(shape, device=DEVICE, requires_grad=True)
+    freqs = torch.rand(4, 1, 1, 8, device=DEVICE)
+    kw = dict(tensor_format=tensor_format)
+    if cu is not None:
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+    out = rope.apply_rotary_pos_emb(t, freqs, **kw)
+    assert out.shape == t.shape
+    out.sum().backward()
+    assert t.grad.shape == t.shape
+
+
+def test_deterministic():
+    t, freqs, g, kw, d2 = _case("thd", torch.bfloat16, True, True, None, seed=5)
+    a = rope.apply_rotary_pos_emb(t, freqs, **kw)
+    b = rope.apply_rotary_pos_emb(t, freqs, **kw)
+    assert torch.equal(a, b)
+
+
+def test_freqs_dtype_upcast():
+    """Lower-precision angles are read as float32; the result equals passing them as float32."""
+    gen = torch.Generator().manual_seed(9)
+    t = make_t("sbhd", 4, 2, 3, 16, torch.float32, gen)
+    freqs = make_freqs(4, 16, gen).to(torch.bfloat16)
+    a = rope.apply_rotary_pos_emb(t, freqs)
+    b = rope.apply_rotary_pos_emb(t, freqs.float())
+    assert torch.equal(a, b)
+
+
+def test_fused_false_is_reference():
+    gen = torch.Generator().manual_seed(2)
+    t = make_t("bshd", 4, 2, 3, 16, torch.float32, gen)
+    freqs = make_freqs(6, 12, gen)
+    out = rope.apply_rotary_pos_emb(t, freqs, "bshd", None, True, False)
+    assert torch.equal(out, reference.apply_rotary_pos_emb(t, freqs, "bshd", interleaved=True))
+
+
+def test_signature_matches_transformer_engine():
+    import inspect
+
+    params = list(inspect.signature(rope.apply_rotary_pos_emb).parameters.items())
+    want = [("t", inspect.Parameter.empty), ("freqs", inspect.Parameter.empty), ("tensor_format", "sbhd"),
+            ("start_positions", None), ("interleaved", False), ("fused", True), ("cu_seqlens", None),
+            ("cp_size", 1), ("cp_rank", 0)]
+    assert [(n, p.default) for n, p in params] == want
+    ref_params = list(inspect.signature(reference.apply_rotary_pos_emb).parameters)
+    assert ref_params == [n for n, _ in want]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_position_embedding(interleaved):
+    emb = rope.RotaryPositionEmbedding(64, rotary_percent=0.5, interleaved=interleaved, device=DEVICE)
+    with torch.autocast(device_type="cuda" if ON_GPU else "cpu", dtype=torch.bfloat16):
+        f = emb(10, offset=3)
+    assert f.dtype == torch.float32 and f.shape == (10, 1, 1, 32)
+    pos = torch.arange(3, 13, dtype=torch.float64)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32)
+    theta = torch.outer(pos, inv)
+    want = torch.stack((theta, theta), -1).reshape(10, 32) if interleaved else torch.cat((theta, theta), -1)
+    torch.testing.assert_close(f[:, 0, 0, :].double().cpu(), want, rtol=2e-6, atol=1e-6)
+
+
+def test_rotary_position_embedding_interpolation():
+    emb = rope.RotaryPositionEmbedding(8, seq_len_interpolation_factor=2.0, pretrained_max_position_embeddings=4)
+    fixed = emb(6)  # 6 <= 4 * 2: fixed scaling by 1/2
+    torch.testing.assert_close(fixed, rope.RotaryPositionEmbedding(8)(6) / 2.0)
+    dynamic = emb(16)  # 16 > 8: dynamic scaling by 4/16
+    torch.testing.assert_close(dynamic, rope.RotaryPositionEmbedding(8)(16) / 4.0)
+
+
+@gpu_only
+@pytest.mark.slow
+@pytest.mark.parametrize("tensor_format", ["sbhd", "thd"])
+def test_more_than_2_pow_31_elements(tensor_format):
+    """Offsets are 64-bit: the last tokens of a 2^31+ element tensor land where they should."""
+    h, d = 16, 128
+    per_token = h * d
+    s = 2**31 // per_token + 3
+    t = torch.empty((s, 1, h, d) if tensor_format == "sbhd" else (s, h, d), dtype=torch.bfloat16, device="cuda")
+    t.normal_()
+    assert t.numel() > 2**31
+    gen = torch.Generator().manual_seed(1)
+    freqs = make_freqs(s, d, gen, max_angle=1e4)
+    kw = dict(tensor_format=tensor_format)
+    if tensor_format == "thd":
+        kw["cu_seqlens"] = torch.tensor([0, 5, s], dtype=torch.int64, device="cuda")
+    t.requires_grad_()
+    out = rope.apply_rotary_pos_emb(t, freqs, **kw)
+    g = torch.randn_like(out)
+    out.backward(g)
+    tail = 4  # the last tokens: reference on the slice, with positions shifted by freqs[s - tail:]
+    kw_tail = dict(tensor_format=tensor_format)
+    if tensor_format == "thd":
+        kw_tail["cu_seqlens"] = torch.tensor([0, tail], dtype=torch.int64, device="cuda")
+    x_tail = t.detach()[-tail:].double().requires_grad_()
+    ref = reference.apply_rotary_pos_emb(x_tail, freqs[s - tail:], **kw_tail)
+    ref.backward(g[-tail:].double())
+    assert_within_rounding(out[-tail:], ref, t.detach()[-tail:], d, False, "forward")
+    assert_within_rounding(t.grad[-tail:], x_tail.grad, g[-tail:], d, False, "backward")
