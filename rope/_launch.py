@@ -1,12 +1,15 @@
 """Launcher: turns a checked call into a grid and kernel arguments, cached per call signature.
 
-Everything derived from shapes, strides and flags is computed once per signature and kept in
-`_PLANS`; a repeated call only builds the key, allocates the output and launches.
+Host cost matters as much as bandwidth for small tensors (decode, short sequences): Triton's
+generic `kernel[grid](...)` path re-binds and re-specializes all ~35 arguments on every call
+(tens of microseconds). Here everything derived from shapes, strides and flags is computed once
+per signature into a `Plan`, and after the first launch the compiled kernel is launched directly.
+The signature must therefore include everything Triton specializes on: dtypes, integer argument
+values (all fixed by shapes and strides) and whether each pointer is 16-byte aligned.
 """
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 import triton
@@ -16,25 +19,17 @@ from ._validate import Layout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Elements of x one program touches per loop iteration. 2048 bf16 elements over 4 warps is
-# 16 elements (two 16-byte vectors) per thread per load: enough bytes in flight per SM to cover
-# HBM latency without spilling.
+# Elements of x one program touches per loop iteration: 2048 bf16 elements over 4 warps is
+# 16 elements (two 16-byte vectors) per thread per load.
 _TILE_ELEMS = 2048
+# Elements per warp per loop iteration: sets num_warps from the tile.
+_WARP_ELEMS = 512
 # Programs wanted per SM before a group's rows are split over several programs.
 _PROGRAMS_PER_SM = 8
 
-
-class Plan(NamedTuple):
-    grid: tuple
-    ints: tuple  # the kernel's integer arguments, in order
-    out_strides: tuple
-    constexprs: dict
-    num_warps: int
-
-
-_PLANS: dict = {}
 # Output allocator; tests replace it with one that fills NaN, to prove every element is written.
 empty = torch.empty
+
 _SM_COUNT: dict = {}
 
 
@@ -50,6 +45,18 @@ def _sm_count(device: torch.device) -> int:
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+class Plan:
+    """Grid, scalar arguments and, once compiled, the direct launcher for one call signature."""
+
+    __slots__ = ("grid", "scalars", "num_warps", "runner")
+
+    def __init__(self, grid, scalars, num_warps):
+        self.grid = grid
+        self.scalars = scalars  # every argument after the five pointers, in the kernel's order
+        self.num_warps = num_warps
+        self.runner = None
 
 
 def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: bool, has_start: bool,
@@ -75,7 +82,7 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
     width = 2 * block_half + block_tail
     block_r = max(1, min(triton.next_power_of_2(rows_per_group), _TILE_ELEMS // width))
-    num_warps = max(1, min(8, block_r * width // 512))
+    num_warps = max(1, min(8, block_r * width // _WARP_ELEMS))
 
     target = _PROGRAMS_PER_SM * _sm_count(x.device)
     splits = 1
@@ -84,33 +91,28 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
     rows_per_program = _cdiv(_cdiv(rows_per_group, splits), block_r) * block_r
     splits = _cdiv(rows_per_group, rows_per_program)
 
-    ints = (h, b, rows_per_group, rows_per_program, s, layout.n_seqs, layout.freqs_len, cp_size, cp_rank,
-            xs, xb, xh, xd, os_, ob, oh, freqs_stride[0], freqs_stride[3])
-    constexprs = dict(
-        HEAD_DIM=d, ROT_DIM=d2, INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=is_thd,
-        GROUP_PER_BATCH=per_batch, HAS_START=has_start, USE_CP=cp_size > 1,
-        BLOCK_R=block_r, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail,
-        RNE_BF16=INTERPRET and x.dtype == torch.bfloat16,
+    scalars = (
+        h, b, rows_per_group, rows_per_program, s, layout.n_seqs, layout.freqs_len, cp_size, cp_rank,
+        xs, xb, xh, xd, os_, ob, oh, freqs_stride[0], freqs_stride[3],
+        # constexprs, in the kernel's order
+        d, d2, interleaved, backward, is_thd, per_batch, has_start, cp_size > 1,
+        block_r, block_half, block_tail, INTERPRET and x.dtype == torch.bfloat16, not INTERPRET,
     )
-    return Plan((n_groups, splits), ints, None, constexprs, num_warps)
+    return Plan((n_groups, splits, 1), scalars, num_warps)
 
 
-def launch(x, freqs32, start_positions, cu_seqlens, layout, tensor_format, interleaved, cp_size, cp_rank,
-           backward: bool) -> torch.Tensor:
-    """Run the kernel on x (t in forward, the upstream gradient in backward); returns a new tensor."""
-    out = empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    key = (x.shape, x.stride(), x.dtype, x.device, freqs32.shape, freqs32.stride(), tensor_format,
-           interleaved, start_positions is not None, cu_seqlens is not None, cp_size, cp_rank, backward)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = make_plan(x, layout, tensor_format, interleaved, start_positions is not None, cp_size,
-                         cp_rank, freqs32.stride(), backward)
-        _PLANS[key] = plan
-    # Unused pointer arguments get a valid tensor; the kernel never reads them (constexpr flags).
-    start = start_positions if start_positions is not None else freqs32
-    cu = cu_seqlens if cu_seqlens is not None else freqs32
-    rope_kernel[plan.grid](x, out, freqs32, start, cu, *plan.ints, **plan.constexprs,
-                           num_warps=plan.num_warps)
-    return out
+def run(plan: Plan, x, out, freqs32, start, cu):
+    """Launch; `start`/`cu` may be None (the kernel never reads them then)."""
+    if start is None:
+        start = freqs32
+    if cu is None:
+        cu = freqs32
+    runner = plan.runner
+    if runner is not None:
+        runner(x, out, freqs32, start, cu, *plan.scalars)
+        return
+    compiled = rope_kernel[plan.grid](x, out, freqs32, start, cu, *plan.scalars, num_warps=plan.num_warps)
+    if not INTERPRET:
+        # The compiled kernel's own launcher skips argument binding and specialization; valid for
+        # this plan only, since the plan's key fixes everything the kernel was specialized on.
+        plan.runner = compiled[plan.grid]

@@ -148,7 +148,7 @@ def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, 
             cu[0] != 0,
             (lengths < 0).any(),
             cu[-1] != s * cp_size,
-            (lengths % (2 * cp_size) != 0).any() if cp_size > 1 else torch.zeros((), dtype=torch.bool),
+            (lengths % (2 * cp_size) != 0).any() if cp_size > 1 else torch.zeros((), dtype=torch.bool, device=cu.device),
         ]
         if start_positions is not None:
             sp = start_positions.to(torch.int64)
@@ -158,7 +158,7 @@ def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, 
         else:
             half = local // 2
             last = (2 * cp_size - cp_rank) * half - 1 if cp_size > 1 else local - 1
-            flags.append(torch.zeros((), dtype=torch.bool))
+            flags.append(torch.zeros((), dtype=torch.bool, device=cu.device))
         top = last.max() if last.numel() else torch.zeros((), dtype=torch.int64, device=cu.device)
         values = torch.stack([f.to(torch.int64) for f in flags] + [top.to(torch.int64)]).tolist()
         bad_start, bad_order, bad_total, bad_cp, bad_neg, max_pos = values

@@ -202,12 +202,13 @@ def test_more_than_2_pow_31_elements(tensor_format):
     out = rope.apply_rotary_pos_emb(t, freqs, **kw)
     g = torch.randn_like(out)
     out.backward(g)
-    tail = 4  # the last tokens: reference on the slice, with positions shifted by freqs[s - tail:]
+    tail = 4  # the last tokens: reference on the slice, with its positions' rows of freqs
+    first = s - tail - (5 if tensor_format == "thd" else 0)  # thd: the second sequence starts at token 5
     kw_tail = dict(tensor_format=tensor_format)
     if tensor_format == "thd":
         kw_tail["cu_seqlens"] = torch.tensor([0, tail], dtype=torch.int64, device="cuda")
     x_tail = t.detach()[-tail:].double().requires_grad_()
-    ref = reference.apply_rotary_pos_emb(x_tail, freqs[s - tail:], **kw_tail)
+    ref = reference.apply_rotary_pos_emb(x_tail, freqs[first:first + tail], **kw_tail)
     ref.backward(g[-tail:].double())
     assert_within_rounding(out[-tail:], ref, t.detach()[-tail:], d, False, "forward")
     assert_within_rounding(t.grad[-tail:], x_tail.grad, g[-tail:], d, False, "backward")

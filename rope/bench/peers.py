@@ -1,0 +1,368 @@
+"""Adapters: every implementation behind one interface, each fed the case in its own layout.
+
+`bind(inputs, t, g)` takes the case's canonical tensors (t and upstream gradient g, contiguous in
+the case's format) and returns a `Bound`: the tensors to differentiate (`xs`, in the
+implementation's layout), a call `fn(*xs) -> [outputs]`, the upstream gradients in the outputs'
+layout, and the maps that bring outputs and input gradients back to the canonical layout for the
+float64 check. Conversions (views, splits, cos/sin tables) happen in `bind`, outside any timed
+region, as they would once per step in a model.
+
+Peers are imported lazily; one that is not installed is reported as skipped with the reason.
+
+- ours       `rope.apply_rotary_pos_emb`, any format, float32 angles [s, 1, 1, d2].
+- reference  the pure-PyTorch `rope.reference`, eager (about 10 kernels forward, 7 backward).
+- compile    the same reference under `torch.compile`, default mode and default dynamic-shape
+             policy (after the first shape, dynamo compiles shape-generic kernels, as a model would
+             get); compilation and warm-up happen before timing. Not for thd: the reference reads
+             cu_seqlens on the host and loops over sequences in Python.
+- te         TransformerEngine's fused kernel: its API is ours, so it gets the same arguments.
+- flash      flash-attention's Triton `apply_rotary_emb`: x as (b, s, h, d) — for sbhd the
+             (0, 1)-transposed view of the same memory, no copy (it takes strides); thd as
+             (total, h, d) with int32 cu_seqlens and max_seqlen; decode through seqlen_offsets.
+             cos/sin [s, d2/2] in x's dtype (it requires that), built from the same angles.
+- liger      Liger-Kernel's `liger_rotary_pos_emb`: q and k [b, h, s, d] as (1, 2)-transposed
+             views of contiguous [b, s, h, d] tensors, which is how they come out of a
+             projection; it rotates both in one launch, so the case's heads are split in two
+             halves as q and k (same bytes). sbhd cases run as bshd of the same sizes. cos/sin
+             [1, s, d] (per batch [b, s, d] for decode) in x's dtype, as Hugging Face models pass
+             them. It writes in place. Half-split with rot_dim == d only.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import reference
+from .inputs import CaseInputs
+
+
+@dataclass
+class Bound:
+    xs: list
+    fn: Callable
+    gs: list | None
+    out_canon: Callable
+    grad_canon: Callable
+    graph_safe: bool = True
+
+
+def _first(v):
+    return v[0]
+
+
+class Impl:
+    name = ""
+    title = ""
+    layout = ""
+
+    def missing(self) -> str | None:
+        """Why this implementation cannot run at all here (not installed), or None."""
+        return None
+
+    def unsupported(self, case) -> str | None:
+        return None
+
+    def bind(self, inputs: CaseInputs, t: torch.Tensor, g: torch.Tensor | None = None) -> Bound:
+        raise NotImplementedError
+
+    def poison(self):
+        """Context in which this implementation's outputs start as NaN (if it allows that)."""
+        return contextlib.nullcontext()
+
+
+class _TEStyle(Impl):
+    """Implementations with TransformerEngine's signature: they take the case as it is."""
+
+    graph_safe_thd = True
+
+    def _call(self, inputs: CaseInputs):
+        raise NotImplementedError
+
+    def bind(self, inputs, t, g=None):
+        call = self._call(inputs)
+        safe = self.graph_safe_thd or inputs.case.fmt != "thd"
+        return Bound([t], lambda x: [call(x)], None if g is None else [g], _first, _first, safe)
+
+
+class Ours(_TEStyle):
+    name, title = "ours", "rope (Triton)"
+    layout = "the case as given; float32 angles [s, 1, 1, d2]"
+
+    def _call(self, inputs):
+        from .. import apply_rotary_pos_emb
+
+        c = inputs.case
+        freqs, start, cu = inputs.freqs, inputs.start_positions, inputs.cu_seqlens
+        return lambda x: apply_rotary_pos_emb(x, freqs, c.fmt, start, c.interleaved, cu_seqlens=cu)
+
+    def poison(self):
+        return _nan_outputs()
+
+
+@contextlib.contextmanager
+def _nan_outputs():
+    # The launcher allocates outputs through this hook; NaN-filled outputs prove every element
+    # is written.
+    from .. import _launch
+
+    saved = _launch.empty
+    _launch.empty = lambda *a, **k: torch.full(*a, float("nan"), **k)
+    try:
+        yield
+    finally:
+        _launch.empty = saved
+
+
+class Reference(_TEStyle):
+    name, title = "reference", "PyTorch reference, eager"
+    layout = "the case as given"
+    graph_safe_thd = False  # reads cu_seqlens on the host: cannot be captured
+
+    def _call(self, inputs):
+        c = inputs.case
+        freqs, start, cu = inputs.freqs, inputs.start_positions, inputs.cu_seqlens
+        fn = reference.apply_rotary_pos_emb
+        return lambda x: fn(x, freqs, c.fmt, start, c.interleaved, False, cu)
+
+
+class Compiled(_TEStyle):
+    name, title = "compile", "PyTorch reference, torch.compile"
+    layout = "the case as given; compiled once per shape signature, warm-up excluded"
+
+    def __init__(self, backend="inductor"):
+        self.backend = backend
+        self._fn = None
+
+    def unsupported(self, case):
+        if case.fmt == "thd":
+            return "the reference's thd path reads cu_seqlens on the host and loops over sequences"
+        return None
+
+    def _compiled(self):
+        if self._fn is None:
+            cfg = torch._dynamo.config
+            # Every case is a new shape signature: without headroom dynamo would stop compiling
+            # after a few and silently run the reference eagerly.
+            for knob, value in (("recompile_limit", 256), ("cache_size_limit", 256),
+                                ("accumulated_recompile_limit", 4096), ("accumulated_cache_size_limit", 4096)):
+                if hasattr(cfg, knob):
+                    setattr(cfg, knob, max(getattr(cfg, knob), value))
+            # Timing replays the backward of one recorded forward (retain_graph=True), which
+            # AOTAutograd's donated buffers forbid. They only let the backward reuse saved
+            # activations' memory; the kernels are the same without them.
+            fcfg = getattr(torch, "_functorch", None) and torch._functorch.config
+            if fcfg is not None and hasattr(fcfg, "donated_buffer"):
+                fcfg.donated_buffer = False
+            self._fn = torch.compile(reference.apply_rotary_pos_emb, backend=self.backend)
+        return self._fn
+
+    def _call(self, inputs):
+        c = inputs.case
+        freqs, start, cu = inputs.freqs, inputs.start_positions, inputs.cu_seqlens
+        fn = self._compiled()
+        return lambda x: fn(x, freqs, c.fmt, start, c.interleaved, False, cu)
+
+
+def _installed(top: str) -> bool:
+    if top in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _import_attr(candidates):
+    """The first importable `module:attr` of `candidates`, or (None, reason)."""
+    top = candidates[0].split(".")[0].split(":")[0]
+    if not _installed(top):
+        return None, f"not installed ({top})"
+    errors = []
+    for spec in candidates:
+        mod, attr = spec.split(":")
+        try:
+            return getattr(importlib.import_module(mod), attr), None
+        except Exception as exc:  # ImportError, or a broken install raising anything else
+            errors.append(f"{mod}.{attr}: {type(exc).__name__}: {str(exc)[:80]}")
+    return None, "cannot import " + "; ".join(errors)
+
+
+class TransformerEngine(_TEStyle):
+    name, title = "te", "TransformerEngine fused"
+    layout = "the case as given (same API); int32 cu_seqlens"
+    _CANDIDATES = (
+        "transformer_engine.pytorch.attention.rope:apply_rotary_pos_emb",
+        "transformer_engine.pytorch.attention:apply_rotary_pos_emb",
+        "transformer_engine.pytorch.dot_product_attention.rope:apply_rotary_pos_emb",
+    )
+
+    def __init__(self):
+        self._fn, self._why = None, None
+
+    def _load(self):
+        if self._fn is None and self._why is None:
+            self._fn, self._why = _import_attr(self._CANDIDATES)
+        return self._fn
+
+    def missing(self):
+        self._load()
+        return self._why
+
+    def _params(self):
+        try:
+            return set(inspect.signature(self._load()).parameters)
+        except (TypeError, ValueError):
+            return set()
+
+    def unsupported(self, case):
+        params = self._params()
+        if case.interleaved and "interleaved" not in params:
+            return "this TransformerEngine version has no interleaved mode"
+        if case.start_max and "start_positions" not in params:
+            return "this TransformerEngine version has no start_positions"
+        return None
+
+    def _call(self, inputs):
+        c = inputs.case
+        fn, kw = self._load(), dict(tensor_format=c.fmt, fused=True)
+        if c.interleaved:
+            kw["interleaved"] = True
+        if inputs.cu_seqlens is not None:
+            kw["cu_seqlens"] = inputs.cu_seqlens
+        if inputs.start_positions is not None:
+            kw["start_positions"] = inputs.start_positions
+        freqs = inputs.freqs
+        return lambda x: fn(x, freqs, **kw)
+
+
+def _half_angles(inputs: CaseInputs):
+    """theta [s, d2/2] from duplicated angles: cat(theta, theta) or pairs (interleaved)."""
+    f = inputs.freqs[:, 0, 0, :]
+    return f[:, 0::2] if inputs.case.interleaved else f[:, : inputs.case.d2 // 2]
+
+
+class FlashAttention(Impl):
+    name, title = "flash", "flash-attention Triton rotary"
+    layout = ("x as (b, s, h, d): sbhd passed as its (0, 1)-transposed view (no copy), thd as (total, h, d) "
+              "with cu_seqlens/max_seqlen; cos/sin [s, d2/2] in x's dtype")
+
+    def __init__(self):
+        self._fn, self._why = None, None
+
+    def _load(self):
+        if self._fn is None and self._why is None:
+            self._fn, self._why = _import_attr(("flash_attn.layers.rotary:apply_rotary_emb",))
+        return self._fn
+
+    def missing(self):
+        self._load()
+        return self._why
+
+    def unsupported(self, case):
+        if case.d > 256:
+            return "flash-attn's rotary supports head_dim <= 256"
+        return None
+
+    def bind(self, inputs, t, g=None):
+        c, fn = inputs.case, self._load()
+        theta = _half_angles(inputs)
+        cos, sin = torch.cos(theta).to(t.dtype).contiguous(), torch.sin(theta).to(t.dtype).contiguous()
+        kw = dict(interleaved=c.interleaved, inplace=False)
+        if inputs.start_positions is not None:
+            kw["seqlen_offsets"] = inputs.start_positions
+        if c.fmt == "thd":
+            kw.update(cu_seqlens=inputs.cu_seqlens, max_seqlen=inputs.max_seqlen)
+        sbhd = c.fmt == "sbhd"
+
+        def native(v):
+            return v.transpose(0, 1) if sbhd else v
+
+        return Bound(
+            [native(t)],
+            lambda x: [fn(x, cos, sin, **kw)],
+            None if g is None else [native(g)],
+            lambda outs: native(outs[0]),
+            lambda grads: native(grads[0]),
+        )
+
+
+class Liger(Impl):
+    name, title = "liger", "Liger-Kernel Triton rope"
+    layout = ("q, k = the heads split in two halves, each contiguous [b, s, h/2, d] viewed as [b, h/2, s, d]; "
+              "sbhd runs as bshd; cos/sin [1, s, d] in x's dtype; in place")
+
+    def __init__(self):
+        self._fn, self._why = None, None
+
+    def _load(self):
+        if self._fn is None and self._why is None:
+            self._fn, self._why = _import_attr(("liger_kernel.transformers.rope:liger_rotary_pos_emb",))
+        return self._fn
+
+    def missing(self):
+        self._load()
+        return self._why
+
+    def unsupported(self, case):
+        if case.fmt == "thd":
+            return "Liger takes padded [b, h, s, d] only (no packed sequences)"
+        if case.interleaved:
+            return "Liger has no interleaved mode"
+        if case.d2 != case.d:
+            return "Liger rotates all of head_dim (no partial rotary)"
+        if case.h < 2 or case.h % 2:
+            return "needs an even head count to split into q and k"
+        return None
+
+    def bind(self, inputs, t, g=None):
+        c, fn = inputs.case, self._load()
+        hq = c.h // 2
+        sbhd = c.fmt == "sbhd"
+        if inputs.start_positions is not None:
+            pos = inputs.start_positions.long()[:, None] + torch.arange(c.s, device=t.device)[None, :]
+            angles = inputs.freqs[:, 0, 0, :][pos]  # [b, s, d]
+        else:
+            angles = inputs.freqs[: c.s, 0, 0, :][None]  # [1, s, d]
+        cos, sin = torch.cos(angles).to(t.dtype).contiguous(), torch.sin(angles).to(t.dtype).contiguous()
+
+        def split(v, requires_grad=False):
+            v = v.detach()
+            v = v.transpose(0, 1) if sbhd else v  # [b, s, h, d]
+            # Copies (never views of the caller's tensor): Liger writes into them.
+            q = v[:, :, :hq].clone(memory_format=torch.contiguous_format).requires_grad_(requires_grad)
+            k = v[:, :, hq:].clone(memory_format=torch.contiguous_format).requires_grad_(requires_grad)
+            return [q, k]
+
+        def canon(parts):
+            full = torch.cat(parts, dim=2)  # [b, s, h, d]
+            return full.transpose(0, 1) if sbhd else full
+
+        return Bound(
+            split(t, t.requires_grad),
+            lambda q, k: list(fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)),
+            None if g is None else [p.transpose(1, 2) for p in split(g)],
+            lambda outs: canon([o.transpose(1, 2) for o in outs]),
+            canon,
+        )
+
+
+IMPL_NAMES = ("ours", "reference", "compile", "te", "flash", "liger")
+
+
+def make_impls(names=None, compile_backend="inductor") -> list:
+    names = list(names or IMPL_NAMES)
+    unknown = [n for n in names if n not in IMPL_NAMES]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(IMPL_NAMES)}")
+    makers = {
+        "ours": Ours, "reference": Reference, "compile": lambda: Compiled(compile_backend),
+        "te": TransformerEngine, "flash": FlashAttention, "liger": Liger,
+    }
+    return [makers[n]() for n in names]
