@@ -19,11 +19,14 @@ from ._validate import Layout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Elements of x one program touches per loop iteration: 2048 bf16 elements over 4 warps is
-# 16 elements (two 16-byte vectors) per thread per load.
-_TILE_ELEMS = 2048
-# Elements per warp per loop iteration: sets num_warps from the tile.
-_WARP_ELEMS = 512
+# Tile shape, from sweeps on an H200 (BENCHMARKS.md): 8 rows per loop iteration (16 for
+# interleaved, whose single full-width tile is split in registers) and as many warps as give
+# every thread one 16-byte vector of the *narrowest* of the tiles (each half of the rotated
+# channels, the pass-through tail). Wider CTAs replicate the narrow tiles across threads and
+# lost up to 30 % of bandwidth in the sweep; more rows per thread lost up to 35 %.
+_ROWS_HALFSPLIT = 8
+_ROWS_INTERLEAVED = 16
+_VECTORS_INTERLEAVED = 4
 # Programs wanted per SM before a group's rows are split over several programs.
 _PROGRAMS_PER_SM = 8
 
@@ -80,9 +83,16 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
 
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
-    width = 2 * block_half + block_tail
-    block_r = max(1, min(triton.next_power_of_2(rows_per_group), _TILE_ELEMS // width))
-    num_warps = max(1, min(8, block_r * width // _WARP_ELEMS))
+    vec = 16 // x.element_size()  # elements per 16-byte access
+    if interleaved:
+        narrowest = min(2 * block_half, block_tail or 2 * block_half)
+        block_r = min(triton.next_power_of_2(rows_per_group), _ROWS_INTERLEAVED)
+        threads = block_r * narrowest // (vec * _VECTORS_INTERLEAVED)
+    else:
+        narrowest = min(block_half, block_tail or block_half)
+        block_r = min(triton.next_power_of_2(rows_per_group), _ROWS_HALFSPLIT)
+        threads = block_r * narrowest // vec
+    num_warps = max(1, min(8, threads // 32))
 
     target = _PROGRAMS_PER_SM * _sm_count(x.device)
     splits = 1
