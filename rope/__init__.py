@@ -1,7 +1,8 @@
 """rope: rotary position embedding in Triton, with TransformerEngine's API and semantics."""
 from . import reference
+from ._validate import set_value_checks
 from .embedding import RotaryPositionEmbedding
 from .functional import apply_rotary_pos_emb
 
-__all__ = ["apply_rotary_pos_emb", "RotaryPositionEmbedding", "reference"]
+__all__ = ["apply_rotary_pos_emb", "RotaryPositionEmbedding", "reference", "set_value_checks"]
 __version__ = "0.1.0"

@@ -53,13 +53,13 @@ def _cdiv(a, b):
 class Plan:
     """Grid, scalar arguments and, once compiled, the direct launcher for one call signature."""
 
-    __slots__ = ("grid", "scalars", "num_warps", "runner")
+    __slots__ = ("grid", "scalars", "num_warps", "compiled")
 
     def __init__(self, grid, scalars, num_warps):
         self.grid = grid
         self.scalars = scalars  # every argument after the five pointers, in the kernel's order
         self.num_warps = num_warps
-        self.runner = None
+        self.compiled = None
 
 
 def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: bool, has_start: bool,
@@ -111,18 +111,36 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
     return Plan((n_groups, splits, 1), scalars, num_warps)
 
 
+def _hooks_set() -> bool:
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:  # older Triton keeps the hooks on CompiledKernel
+        from triton.compiler import CompiledKernel as runtime
+    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+
+
+_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+
+
 def run(plan: Plan, x, out, freqs32, start, cu):
     """Launch; `start`/`cu` may be None (the kernel never reads them then)."""
     if start is None:
         start = freqs32
     if cu is None:
         cu = freqs32
-    runner = plan.runner
-    if runner is not None:
-        runner(x, out, freqs32, start, cu, *plan.scalars)
+    compiled = plan.compiled
+    if compiled is not None and not _hooks_set():
+        # The compiled kernel's C launcher, called as Triton's own CompiledKernel runner calls it
+        # (grid, stream, function, metadata, no launch metadata or hooks, then every argument):
+        # no argument binding, specialization or cache lookup per call. Valid for this plan only,
+        # since the plan's key fixes everything the kernel was specialized on.
+        g0, g1, g2 = plan.grid
+        compiled.run(g0, g1, g2, _raw_stream(x.device.index), compiled.function, compiled.packed_metadata,
+                     None, None, None, x, out, freqs32, start, cu, *plan.scalars)
+        return
+    if compiled is not None:  # a profiler's launch hooks are set: take Triton's path, which calls them
+        compiled[plan.grid](x, out, freqs32, start, cu, *plan.scalars)
         return
     compiled = rope_kernel[plan.grid](x, out, freqs32, start, cu, *plan.scalars, num_warps=plan.num_warps)
     if not INTERPRET:
-        # The compiled kernel's own launcher skips argument binding and specialization; valid for
-        # this plan only, since the plan's key fixes everything the kernel was specialized on.
-        plan.runner = compiled[plan.grid]
+        compiled._init_handles()
+        plan.compiled = compiled

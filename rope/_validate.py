@@ -126,9 +126,22 @@ def _max_position(length: int, cp_size: int, cp_rank: int) -> int:
     return (2 * cp_size - cp_rank) * c - 1
 
 
+_VALUE_CHECKS = [True]
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Turn the checks on the values of `cu_seqlens`/`start_positions` on or off (default on).
+
+    They cost one device-to-host copy per call that passes either tensor on the GPU, which a
+    decode loop may not want to pay. With them off, a position past the end of `freqs` is still
+    never read: the kernel writes NaN into that token's rotated channels instead.
+    """
+    _VALUE_CHECKS[0] = bool(enabled)
+
+
 def skip_value_checks() -> bool:
-    """True while reading device values would break a capture or a trace."""
-    if torch.compiler.is_compiling():
+    """True when value checks are off, or while reading device values would break a capture or trace."""
+    if not _VALUE_CHECKS[0] or torch.compiler.is_compiling():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 

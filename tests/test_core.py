@@ -212,3 +212,23 @@ def test_more_than_2_pow_31_elements(tensor_format):
     ref.backward(g[-tail:].double())
     assert_within_rounding(out[-tail:], ref, t.detach()[-tail:], d, False, "forward")
     assert_within_rounding(t.grad[-tail:], x_tail.grad, g[-tail:], d, False, "backward")
+
+
+def test_value_checks_off_never_reads_past_freqs():
+    """With value checks off, an out-of-range start position gives NaN in its rotated channels
+    (the kernel does not read past `freqs`), the other tokens stay exact and the tail is copied."""
+    gen = torch.Generator().manual_seed(4)
+    t = make_t("sbhd", 3, 2, 2, 8, torch.float32, gen)
+    freqs = make_freqs(4, 4, gen)
+    start = torch.tensor([0, 5], device=DEVICE)  # batch 1 reaches positions 5..7 >= s2 = 4
+    with pytest.raises(ValueError, match="freqs"):
+        rope.apply_rotary_pos_emb(t, freqs, start_positions=start)
+    rope.set_value_checks(False)
+    try:
+        out = rope.apply_rotary_pos_emb(t, freqs, start_positions=start)
+    finally:
+        rope.set_value_checks(True)
+    assert torch.isnan(out[:, 1, :, :4]).all()
+    assert torch.equal(out[:, 1, :, 4:], t[:, 1, :, 4:])
+    ok = reference.apply_rotary_pos_emb(t[:, :1], freqs)
+    torch.testing.assert_close(out[:, :1], ok)
