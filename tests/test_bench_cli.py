@@ -30,6 +30,7 @@ def _run_cli(args, env_drop=(), timeout=300):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="smoke mode is the CPU check; on a GPU run `python -m rope.bench` itself")
 def test_smoke_run_end_to_end(tmp_path):
     # Without TRITON_INTERPRET in the environment: on a CPU-only machine the CLI must restart
     # itself with the interpreter, as it does for a user.
