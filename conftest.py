@@ -11,3 +11,59 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# ---- Hypothesis profiles (after the interpreter switch: nothing above imports triton) --------
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+
+_COMMON = dict(deadline=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.filter_too_much])
+# CI default: Triton's interpreter on the CPU. Small shapes (tests/strategies.py LIMITS), the same
+# examples every run, no example database, no targeting phase (its extra runs cost minutes).
+settings.register_profile("cpu-interp", max_examples=25, derandomize=True, database=None,
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink], **_COMMON)
+# On the device: realistic shapes up to tens of MB per tensor, a few hundred examples per property.
+settings.register_profile("gpu", max_examples=200, **_COMMON)
+# Long hunt: thousands of examples; the accuracy checks call hypothesis.target() on the error
+# relative to the allowed bound, steering generation towards the worst case.
+settings.register_profile("nightly", max_examples=4000, **_COMMON)
+
+_PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("gpu" if HAS_CUDA else "cpu-interp")
+if os.environ.get("ROPE_MAX_EXAMPLES"):  # e.g. a quick smoke run of a large profile
+    settings.register_profile(_PROFILE, settings.get_profile(_PROFILE),
+                              max_examples=int(os.environ["ROPE_MAX_EXAMPLES"]))
+settings.load_profile(_PROFILE)
+
+
+# ---- the implementation under test -------------------------------------------------------------
+import pytest  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--rope-impl", default="rope:apply_rotary_pos_emb", metavar="MODULE:FUNCTION",
+        help="callable with TransformerEngine's apply_rotary_pos_emb signature to run the conformance "
+             "tests against (default: rope:apply_rotary_pos_emb)")
+
+
+def pytest_report_header(config):
+    return [f"rope-impl: {config.getoption('--rope-impl')}, hypothesis profile: {_PROFILE}"]
+
+
+@pytest.fixture(scope="session")
+def target(request):
+    from tests.target import load_target
+
+    return load_target(request.config.getoption("--rope-impl"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """A foreign target skips the tests of this package's own internals (`ours_only`, test_core)."""
+    from tests.target import load_target
+
+    if load_target(config.getoption("--rope-impl")).is_ours:
+        return
+    skip = pytest.mark.skip(reason="concerns the rope package itself, not the --rope-impl target")
+    for item in items:
+        if item.get_closest_marker("ours_only") or item.path.name == "test_core.py":
+            item.add_marker(skip)

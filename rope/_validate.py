@@ -8,7 +8,7 @@ allowed. The kernel never reads `freqs` out of range even then (it writes NaN fo
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -161,18 +161,20 @@ def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, 
             cu[0] != 0,
             (lengths < 0).any(),
             cu[-1] != s * cp_size,
-            (lengths % (2 * cp_size) != 0).any() if cp_size > 1 else torch.zeros((), dtype=torch.bool, device=cu.device),
+            ((lengths % (2 * cp_size) != 0).any() if cp_size > 1
+             else torch.zeros((), dtype=torch.bool, device=cu.device)),
         ]
         if start_positions is not None:
             sp = start_positions.to(torch.int64)
             nonempty = local > 0
             flags.append((nonempty & (sp < 0)).any())
-            last = torch.where(nonempty, sp + local - 1, torch.zeros_like(sp))
+            last = torch.where(nonempty, sp + local - 1, torch.full_like(sp, -1))  # empty: no position
         else:
             half = local // 2
             last = (2 * cp_size - cp_rank) * half - 1 if cp_size > 1 else local - 1
             flags.append(torch.zeros((), dtype=torch.bool, device=cu.device))
-        top = last.max() if last.numel() else torch.zeros((), dtype=torch.int64, device=cu.device)
+        # no token at all (no sequence, or only empty ones): no position, so any s2 >= 0 is enough
+        top = last.max() if last.numel() else torch.full((), -1, dtype=torch.int64, device=cu.device)
         values = torch.stack([f.to(torch.int64) for f in flags] + [top.to(torch.int64)]).tolist()
         bad_start, bad_order, bad_total, bad_cp, bad_neg, max_pos = values
         if bad_start:

@@ -56,3 +56,36 @@ def poison_outputs(monkeypatch):
         return torch.full(*args, float("nan"), **kwargs)
 
     monkeypatch.setattr(rope._launch, "empty", nan_empty)
+
+
+def run_case(impl, case, t_base=None, freqs=None, g=None, backward=True, **kw):
+    """(out, grad_t) of `impl` on a case; the input keeps the case's memory layout.
+
+    A fresh leaf is cloned from `t_base` (default: the case's) and viewed like the case's input,
+    so the callable sees the same strides; the gradient is taken with respect to that view.
+    """
+    base = (case.t_base if t_base is None else t_base).detach().clone().requires_grad_(backward)
+    x = case.view(base)
+    out = impl(x, case.freqs if freqs is None else freqs, **case.kwargs(**kw))
+    if not backward:
+        return out, None
+    (grad,) = torch.autograd.grad(out, x, case.g if g is None else g)
+    return out, grad
+
+
+def run_plain(impl, t, freqs, g=None, **kw):
+    """(out, grad_t) of `impl` on a copy of `t` (dense layouts are kept by clone)."""
+    x = t.detach().clone().requires_grad_(g is not None)
+    out = impl(x, freqs, **kw)
+    if g is None:
+        return out, None
+    (grad,) = torch.autograd.grad(out, x, g)
+    return out, grad
+
+
+def reference64(t, freqs, g, **kw):
+    """(out, grad_t) of the float64 oracle: `rope.reference` on t.double() with the same angles."""
+    x = t.detach().double().requires_grad_()
+    ref = reference.apply_rotary_pos_emb(x, freqs, **kw)
+    (grad,) = torch.autograd.grad(ref, x, g.detach().double())
+    return ref.detach(), grad

@@ -12,6 +12,8 @@ must match bitwise.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-52}
@@ -49,3 +51,145 @@ def assert_within_rounding(out: torch.Tensor, ref64: torch.Tensor, x: torch.Tens
             f"bound {bound[idx].item():.3g}; max error {err.max().item():.3g}")
     tail_out, tail_x = out[..., rot_dim:], x[..., rot_dim:]
     assert torch.equal(tail_out, tail_x.to(tail_out.dtype)), f"{what}: channels past rot_dim changed"
+
+
+# ----------------------------------------------------------------------------------------------
+# Bounds for the invariants, derived from the rule above.
+#
+# Write r = R x for the exact map (float64 on the rounded inputs) and s_i = |x_i| + |x_pi(i)|.
+# The rule says |out_i - r_i| <= EPS |r_i| + F32_EVAL s_i. Since |cos|, |sin| <= 1, |r_i| <= s_i, so
+# without knowing r:   |out_i - r_i| <= U s_i,   U = EPS(dtype) + F32_EVAL       (*)
+# and for a rotated pair p = (i, pi(i)), whose two elements share s_p:
+#                      ||out_p - r_p|| <= sqrt(2) U s_p                          (**)
+# Pass-through channels are copies: exact. Sums of products are formed in float64; FSUM bounds
+# their relative rounding per term (n * 2^-53 for n terms, taken with margin).
+# ----------------------------------------------------------------------------------------------
+
+
+def unit_error(dtype: torch.dtype) -> float:
+    """U of (*): the largest error of one output element per unit of s_i."""
+    return EPS[dtype] + F32_EVAL
+
+
+def fsum_slack(n: int) -> float:
+    return 4.0 * max(n, 1) * 2.0**-53
+
+
+def _fail(what, bad, got, want, bound):
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} values out of bound; first at {idx}: "
+                         f"got {got[idx].item()!r}, want {want[idx].item()!r}, bound {bound[idx].item():.3g}")
+
+
+def assert_agree_within_rounding(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, rot_dim: int,
+                                 interleaved: bool, what: str = "outputs"):
+    """a and b are two results that must each be within one rounding of the same exact value r.
+
+    |a - b| <= 2 EPS |r| + 2 F32_EVAL s and |r| <= (|a| + F32_EVAL s) / (1 - EPS); for EPS <= 2^-8
+    this is within 2.01 (EPS max(|a|, |b|) + F32_EVAL s). Pass-through channels must match bitwise.
+    """
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    a64, b64 = a.detach().double(), b.detach().double()
+    scale = partner_scale(x, rot_dim, interleaved)
+    bound = 2.01 * (EPS[a.dtype] * torch.maximum(a64.abs(), b64.abs()) + F32_EVAL * scale)
+    bad = ~((a64 - b64).abs() <= bound)
+    if bad.any():
+        _fail(what, bad, a64, b64, bound)
+    assert torch.equal(a[..., rot_dim:], b[..., rot_dim:]), f"{what}: pass-through channels differ"
+
+
+def pair_norms(x: torch.Tensor, rot_dim: int, interleaved: bool) -> torch.Tensor:
+    """||(x_i, x_pi(i))|| for the first element i of every pair, float64, [..., rot_dim / 2]."""
+    from rope.reference import partner_and_sign
+
+    x = x.detach().double()[..., :rot_dim]
+    partner, sign = partner_and_sign(rot_dim, interleaved, x.device)
+    first = sign < 0
+    return torch.sqrt(x[..., first] ** 2 + x[..., partner[first]] ** 2)
+
+
+def pair_scale(x: torch.Tensor, rot_dim: int, interleaved: bool) -> torch.Tensor:
+    """s_p = |x_i| + |x_pi(i)| per pair, laid out as `pair_norms`."""
+    from rope.reference import partner_and_sign
+
+    x = x.detach().double()[..., :rot_dim].abs()
+    partner, sign = partner_and_sign(rot_dim, interleaved, x.device)
+    first = sign < 0
+    return x[..., first] + x[..., partner[first]]
+
+
+def assert_pair_norms_preserved(out, x, rot_dim, interleaved, what="pair norms"):
+    """A rotation keeps ||x_p||: by (**), | ||out_p|| - ||x_p|| | <= sqrt(2) U s_p."""
+    got, want = pair_norms(out, rot_dim, interleaved), pair_norms(x, rot_dim, interleaved)
+    s = pair_scale(x, rot_dim, interleaved)
+    bound = math.sqrt(2) * unit_error(out.dtype) * s + fsum_slack(2) * s
+    bad = ~((got - want).abs() <= bound)
+    if bad.any():
+        _fail(what, bad, got, want, bound)
+
+
+def assert_round_trip(z, x, rot_dim, interleaved, what="round trip"):
+    """z = rope(rope(x, theta), -theta), both rounded: z_i - x_i is the second call's error, at most
+    U s_i(y), plus the first call's pair error rotated back, at most sqrt(2) U s_p(x) by (**). As
+    s(y) <= sqrt(2) ||y_p|| <= sqrt(2) (1 + sqrt(2) U) s_p(x), the sum is at most
+    2 sqrt(2) U (1 + U) s(x) <= 3 U s(x). Pass-through channels must come back bitwise."""
+    s = partner_scale(x, rot_dim, interleaved)
+    bound = 3 * unit_error(z.dtype) * s
+    z64, x64 = z.detach().double(), x.detach().double()
+    bad = ~((z64 - x64).abs() <= bound)
+    if bad.any():
+        _fail(what, bad, z64, x64, bound)
+    assert torch.equal(z[..., rot_dim:], x[..., rot_dim:].to(z.dtype)), f"{what}: pass-through channels changed"
+
+
+def assert_adjoint(out, g, x, grad, rot_dim, interleaved, what="adjoint"):
+    """<rope(x), g> = <x, rope^T g> exactly for the exact map; by (*) applied to out and to grad,
+    |<out, g> - <x, grad>| <= U (sum s_i(x) |g_i| + sum s_i(g) |x_i|), plus float64 summation."""
+    out64, g64, x64, grad64 = (v.detach().double() for v in (out, g, x, grad))
+    lhs, rhs = (out64 * g64).sum(), (x64 * grad64).sum()
+    u = unit_error(out.dtype)
+    bound = u * ((partner_scale(x, rot_dim, interleaved) * g64.abs()).sum()
+                 + (partner_scale(g, rot_dim, interleaved) * x64.abs()).sum())
+    bound += fsum_slack(out.numel()) * ((out64 * g64).abs().sum() + (x64 * grad64).abs().sum())
+    assert (lhs - rhs).abs() <= bound, (
+        f"{what}: <rope(x), g> = {lhs.item()!r} but <x, grad> = {rhs.item()!r}; "
+        f"difference {(lhs - rhs).abs().item():.3g} > bound {bound.item():.3g}")
+
+
+def assert_linear(out_z, out_x, out_y, alpha, beta, z, x, y, rot_dim, interleaved, what="linearity"):
+    """z = fl(alpha x + beta y) in t's dtype; rho = z - (alpha x + beta y) exactly (float64). Then
+    out_z - alpha out_x - beta out_y = (errors of the three calls) + R rho, so by (*) and |R rho|_i <=
+    s_i(rho) it is at most U (s(z) + |alpha| s(x) + |beta| s(y)) + s(rho) elementwise."""
+    x64, y64, z64 = (v.detach().double() for v in (x, y, z))
+    rho = z64 - (alpha * x64 + beta * y64)
+    got = out_z.detach().double()
+    want = alpha * out_x.detach().double() + beta * out_y.detach().double()
+    sc = lambda v: partner_scale(v, rot_dim, interleaved)  # noqa: E731
+    # channels past rot_dim are copies: there the difference is exactly rho
+    u = unit_error(out_z.dtype)
+    bound = u * (sc(z64) + abs(alpha) * sc(x64) + abs(beta) * sc(y64)) + sc(rho)
+    bound[..., rot_dim:] = rho[..., rot_dim:].abs()
+    bound += fsum_slack(3) * (got.abs() + want.abs())
+    bad = ~((got - want).abs() <= bound)
+    if bad.any():
+        _fail(what, bad, got, want, bound)
+
+
+def assert_relative_position(out_q, out_k, q, k, rot_dim, interleaved, what="relative position"):
+    """out_q[c] = rope(q[c], m_c), out_k[c] = rope(k[c], n_c): copies c of the same q and k (dim 0),
+    with the same m_c - n_c. Their dot products over the last dim must agree across copies.
+
+    Per pair p, with a, b the exact rotated pairs and (**) for the rounded ones a', b':
+    |<a', b'> - <a, b>| <= ||a' - a|| ||b'|| + ||a|| ||b' - b|| <= sqrt(2) U s_q s_k (2 + sqrt(2) U)
+    <= 3 U s_q s_k. The exact <a, b> depends only on m - n, so any two copies differ by at most
+    6 U sum_p s_q,p s_k,p (pass-through channels are exact), plus float64 summation.
+    """
+    oq, ok = out_q.detach().double(), out_k.detach().double()
+    dots = (oq * ok).sum(-1)
+    s = (pair_scale(q, rot_dim, interleaved) * pair_scale(k, rot_dim, interleaved)).sum(-1)
+    bound = 6 * unit_error(out_q.dtype) * s + fsum_slack(q.shape[-1]) * 2 * (oq * ok).abs().sum(-1)
+    dev = (dots - dots[:1]).abs()
+    bad = ~(dev <= bound)
+    if bad.any():
+        _fail(what + " (copy c against copy 0)", bad, dots, dots[:1].expand_as(dots), bound)
