@@ -74,7 +74,8 @@ def rope_kernel(
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr, PIN: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    RNE_BF16: tl.constexpr, PIN: tl.constexpr,
 ):
     HALF: tl.constexpr = ROT_DIM // 2
     group = tl.program_id(0).to(tl.int64)
