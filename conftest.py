@@ -20,7 +20,7 @@ _COMMON = dict(deadline=None, print_blob=True,
                                       HealthCheck.filter_too_much])
 # CI default: Triton's interpreter on the CPU. Small shapes (tests/strategies.py LIMITS), the same
 # examples every run, no example database, no targeting phase (its extra runs cost minutes).
-settings.register_profile("cpu-interp", max_examples=25, derandomize=True, database=None,
+settings.register_profile("cpu-interp", max_examples=40, derandomize=True, database=None,
                           phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink], **_COMMON)
 # On the device: realistic shapes up to tens of MB per tensor, a few hundred examples per property.
 settings.register_profile("gpu", max_examples=200, **_COMMON)

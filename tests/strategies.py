@@ -41,6 +41,10 @@ class Limits(NamedTuple):
     max_start: int
     max_extra_freqs: int
     max_elements: int
+    # Head dims to draw from (None: any 2..max_d). On the GPU every new (d, d2, dtype, mode) is a
+    # new kernel compilation, so that profile keeps to the head dims models use, with full and
+    # half rotary width; the odd sizes are covered by the explicit examples and by cpu-interp.
+    head_dims: Optional[tuple] = None
 
 
 # The interpreter runs one Triton program after another (about 5 ms each, one per token or token
@@ -49,7 +53,8 @@ LIMITS = {
     "cpu-interp": Limits(max_d=64, max_s=12, max_b=3, max_h=4, max_rows=64, max_tokens=16, max_seqs=5,
                          max_cp=3, max_start=8, max_extra_freqs=4, max_elements=4096),
     "gpu": Limits(max_d=256, max_s=2048, max_b=8, max_h=32, max_rows=1 << 16, max_tokens=4096, max_seqs=48,
-                  max_cp=4, max_start=2048, max_extra_freqs=64, max_elements=8 << 20),
+                  max_cp=4, max_start=2048, max_extra_freqs=64, max_elements=8 << 20,
+                  head_dims=(64, 80, 96, 128, 256)),
 }
 LIMITS["nightly"] = LIMITS["gpu"] if torch.cuda.is_available() else LIMITS["cpu-interp"]
 
@@ -166,6 +171,8 @@ def dtypes():
 
 
 def head_dims(lim: Limits):
+    if lim.head_dims:
+        return st.sampled_from(lim.head_dims)
     # d need not be even or a power of two: only the rotary width is constrained
     return st.integers(2, lim.max_d)
 
@@ -227,7 +234,10 @@ def rope_specs(draw, formats=FORMATS, dtypes_=None, cp: Optional[bool] = None, s
     if partial is False and d % 2:
         d -= 1
     d = max(d, 2)
-    rot_dim = draw(rot_dims(d, partial))
+    if lim.head_dims and partial is not False:  # realistic widths: full, or half (rotary_percent 0.5)
+        rot_dim = draw(st.sampled_from([d // 2 - d // 2 % 2] if partial else [d, d // 2 - d // 2 % 2]))
+    else:
+        rot_dim = draw(rot_dims(d, partial))
     interleaved = draw(st.booleans())
     cp_size, cp_rank = draw(cp_configs(lim, False if start else cp))  # start_positions exclude cp
     use_start = cp_size == 1 and (draw(st.booleans()) if start is None else start)
