@@ -63,7 +63,14 @@ def assert_within_rounding(out: torch.Tensor, ref64: torch.Tensor, x: torch.Tens
 #                      ||out_p - r_p|| <= sqrt(2) U s_p                          (**)
 # Pass-through channels are copies: exact. Sums of products are formed in float64; FSUM bounds
 # their relative rounding per term (n * 2^-53 for n terms, taken with margin).
+#
+# Underflow: a result in the subnormal range of t.dtype is rounded to a fixed grid, with an absolute
+# error of up to half its spacing, ETA (2^-25 for fp16: outputs below 6.1e-5), which no relative
+# term covers. The bounds below add ETA per rounding (it changes nothing away from that range);
+# with N(0, 1) fp16 data about one element in 10^7 needs it.
 # ----------------------------------------------------------------------------------------------
+
+ETA = {torch.float32: 2.0**-150, torch.float16: 2.0**-25, torch.bfloat16: 2.0**-134, torch.float64: 2.0**-1075}
 
 
 def unit_error(dtype: torch.dtype) -> float:
@@ -86,13 +93,14 @@ def assert_agree_within_rounding(a: torch.Tensor, b: torch.Tensor, x: torch.Tens
     """a and b are two results that must each be within one rounding of the same exact value r.
 
     |a - b| <= 2 EPS |r| + 2 F32_EVAL s and |r| <= (|a| + F32_EVAL s) / (1 - EPS); for EPS <= 2^-8
-    this is within 2.01 (EPS max(|a|, |b|) + F32_EVAL s). Pass-through channels must match bitwise.
+    this is within 2.01 (EPS max(|a|, |b|) + F32_EVAL s), plus 2 ETA. Pass-through channels must
+    match bitwise.
     """
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
     assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
     a64, b64 = a.detach().double(), b.detach().double()
     scale = partner_scale(x, rot_dim, interleaved)
-    bound = 2.01 * (EPS[a.dtype] * torch.maximum(a64.abs(), b64.abs()) + F32_EVAL * scale)
+    bound = 2.01 * (EPS[a.dtype] * torch.maximum(a64.abs(), b64.abs()) + F32_EVAL * scale) + 2 * ETA[a.dtype]
     bad = ~((a64 - b64).abs() <= bound)
     if bad.any():
         _fail(what, bad, a64, b64, bound)
@@ -120,10 +128,10 @@ def pair_scale(x: torch.Tensor, rot_dim: int, interleaved: bool) -> torch.Tensor
 
 
 def assert_pair_norms_preserved(out, x, rot_dim, interleaved, what="pair norms"):
-    """A rotation keeps ||x_p||: by (**), | ||out_p|| - ||x_p|| | <= sqrt(2) U s_p."""
+    """A rotation keeps ||x_p||: by (**), | ||out_p|| - ||x_p|| | <= sqrt(2) (U s_p + ETA)."""
     got, want = pair_norms(out, rot_dim, interleaved), pair_norms(x, rot_dim, interleaved)
     s = pair_scale(x, rot_dim, interleaved)
-    bound = math.sqrt(2) * unit_error(out.dtype) * s + fsum_slack(2) * s
+    bound = math.sqrt(2) * (unit_error(out.dtype) * s + ETA[out.dtype]) + fsum_slack(2) * s
     bad = ~((got - want).abs() <= bound)
     if bad.any():
         _fail(what, bad, got, want, bound)
@@ -133,9 +141,10 @@ def assert_round_trip(z, x, rot_dim, interleaved, what="round trip"):
     """z = rope(rope(x, theta), -theta), both rounded: z_i - x_i is the second call's error, at most
     U s_i(y), plus the first call's pair error rotated back, at most sqrt(2) U s_p(x) by (**). As
     s(y) <= sqrt(2) ||y_p|| <= sqrt(2) (1 + sqrt(2) U) s_p(x), the sum is at most
-    2 sqrt(2) U (1 + U) s(x) <= 3 U s(x). Pass-through channels must come back bitwise."""
+    2 sqrt(2) U (1 + U) s(x) <= 3 U s(x); with underflow, 3 ETA more. Pass-through channels must
+    come back bitwise."""
     s = partner_scale(x, rot_dim, interleaved)
-    bound = 3 * unit_error(z.dtype) * s
+    bound = 3 * (unit_error(z.dtype) * s + ETA[z.dtype])
     z64, x64 = z.detach().double(), x.detach().double()
     bad = ~((z64 - x64).abs() <= bound)
     if bad.any():
@@ -145,12 +154,14 @@ def assert_round_trip(z, x, rot_dim, interleaved, what="round trip"):
 
 def assert_adjoint(out, g, x, grad, rot_dim, interleaved, what="adjoint"):
     """<rope(x), g> = <x, rope^T g> exactly for the exact map; by (*) applied to out and to grad,
-    |<out, g> - <x, grad>| <= U (sum s_i(x) |g_i| + sum s_i(g) |x_i|), plus float64 summation."""
+    |<out, g> - <x, grad>| <= U (sum s_i(x) |g_i| + sum s_i(g) |x_i|) + ETA (sum |g| + sum |x|),
+    plus float64 summation."""
     out64, g64, x64, grad64 = (v.detach().double() for v in (out, g, x, grad))
     lhs, rhs = (out64 * g64).sum(), (x64 * grad64).sum()
     u = unit_error(out.dtype)
     bound = u * ((partner_scale(x, rot_dim, interleaved) * g64.abs()).sum()
                  + (partner_scale(g, rot_dim, interleaved) * x64.abs()).sum())
+    bound += ETA[out.dtype] * (g64.abs().sum() + x64.abs().sum())
     bound += fsum_slack(out.numel()) * ((out64 * g64).abs().sum() + (x64 * grad64).abs().sum())
     assert (lhs - rhs).abs() <= bound, (
         f"{what}: <rope(x), g> = {lhs.item()!r} but <x, grad> = {rhs.item()!r}; "
@@ -160,7 +171,8 @@ def assert_adjoint(out, g, x, grad, rot_dim, interleaved, what="adjoint"):
 def assert_linear(out_z, out_x, out_y, alpha, beta, z, x, y, rot_dim, interleaved, what="linearity"):
     """z = fl(alpha x + beta y) in t's dtype; rho = z - (alpha x + beta y) exactly (float64). Then
     out_z - alpha out_x - beta out_y = (errors of the three calls) + R rho, so by (*) and |R rho|_i <=
-    s_i(rho) it is at most U (s(z) + |alpha| s(x) + |beta| s(y)) + s(rho) elementwise."""
+    s_i(rho) it is at most U (s(z) + |alpha| s(x) + |beta| s(y)) + s(rho) elementwise, plus
+    (1 + |alpha| + |beta|) ETA for underflow."""
     x64, y64, z64 = (v.detach().double() for v in (x, y, z))
     rho = z64 - (alpha * x64 + beta * y64)
     got = out_z.detach().double()
@@ -169,6 +181,7 @@ def assert_linear(out_z, out_x, out_y, alpha, beta, z, x, y, rot_dim, interleave
     # channels past rot_dim are copies: there the difference is exactly rho
     u = unit_error(out_z.dtype)
     bound = u * (sc(z64) + abs(alpha) * sc(x64) + abs(beta) * sc(y64)) + sc(rho)
+    bound += (1 + abs(alpha) + abs(beta)) * ETA[out_z.dtype]
     bound[..., rot_dim:] = rho[..., rot_dim:].abs()
     bound += fsum_slack(3) * (got.abs() + want.abs())
     bad = ~((got - want).abs() <= bound)
@@ -183,12 +196,16 @@ def assert_relative_position(out_q, out_k, q, k, rot_dim, interleaved, what="rel
     Per pair p, with a, b the exact rotated pairs and (**) for the rounded ones a', b':
     |<a', b'> - <a, b>| <= ||a' - a|| ||b'|| + ||a|| ||b' - b|| <= sqrt(2) U s_q s_k (2 + sqrt(2) U)
     <= 3 U s_q s_k. The exact <a, b> depends only on m - n, so any two copies differ by at most
-    6 U sum_p s_q,p s_k,p (pass-through channels are exact), plus float64 summation.
+    6 U sum_p s_q,p s_k,p (pass-through channels are exact), plus float64 summation. Underflow
+    adds at most sqrt(2) ETA to each pair's error, so 2 sum_p (2 ETA (s_q + s_k) + 4 ETA^2) more
+    between two copies.
     """
     oq, ok = out_q.detach().double(), out_k.detach().double()
     dots = (oq * ok).sum(-1)
-    s = (pair_scale(q, rot_dim, interleaved) * pair_scale(k, rot_dim, interleaved)).sum(-1)
-    bound = 6 * unit_error(out_q.dtype) * s + fsum_slack(q.shape[-1]) * 2 * (oq * ok).abs().sum(-1)
+    sq, sk = pair_scale(q, rot_dim, interleaved), pair_scale(k, rot_dim, interleaved)
+    eta = ETA[out_q.dtype]
+    bound = 6 * unit_error(out_q.dtype) * (sq * sk).sum(-1) + fsum_slack(q.shape[-1]) * 2 * (oq * ok).abs().sum(-1)
+    bound += 2 * (2 * eta * (sq + sk) + 4 * eta**2).sum(-1)
     dev = (dots - dots[:1]).abs()
     bad = ~(dev <= bound)
     if bad.any():
