@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _launch, reference
+from . import _launch, _ops, reference
 from ._launch import INTERPRET, make_plan, run
 from ._validate import check_positions, check_static
 
@@ -71,6 +71,23 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     if not fused or (isinstance(t, torch.Tensor) and t.device.type == "cpu" and not INTERPRET):
         return reference.apply_rotary_pos_emb(t, freqs, tensor_format, start_positions, interleaved,
                                               fused, cu_seqlens, cp_size, cp_rank)
+    if torch.compiler.is_compiling():
+        # Traced code: checks on shapes become guards, the launch an opaque custom op.
+        check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                     allow_float64=False)
+        return _ops.rotate(t, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank,
+                           False)
+    call = _call_for(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
+    if call.checks_values:
+        check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    freqs32 = freqs if freqs.dtype == torch.float32 else freqs.float()
+    if t.requires_grad and torch.is_grad_enabled():
+        return _RoPEFunction.apply(t, freqs32, start_positions, cu_seqlens, call)
+    return _rotate(call, t, freqs32, start_positions, cu_seqlens, False)
+
+
+def _call_for(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank) -> _Call:
+    """The checked call for this signature: validated on first sight, then found in a dict."""
     try:
         key = (t.shape, t.stride(), t.dtype, t.device, freqs.shape, freqs.dtype, freqs.device, tensor_format,
                interleaved.__class__, interleaved, _index_key(start_positions), _index_key(cu_seqlens),
@@ -84,9 +101,4 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
         call = _Call(layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank)
         if key is not None:
             _CALLS[key] = call
-    if call.checks_values:
-        check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
-    freqs32 = freqs if freqs.dtype == torch.float32 else freqs.float()
-    if t.requires_grad and torch.is_grad_enabled():
-        return _RoPEFunction.apply(t, freqs32, start_positions, cu_seqlens, call)
-    return _rotate(call, t, freqs32, start_positions, cu_seqlens, False)
+    return call

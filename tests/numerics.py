@@ -7,8 +7,13 @@ once to t.dtype. Against the exact value (float64 on the same rounded inputs):
   16 * 2^-24 * (|x_i| + |x_pi(i)|) = 2^-20 * scale;
 - the final rounding to t.dtype: at most one unit of eps(dtype) * |ref| (eps: 2^-23 fp32,
   2^-10 fp16, 2^-8 bf16; twice the unit roundoff, so values near a binade edge pass too).
-The absolute term matters only where the two terms cancel; channels past rot_dim are copies and
-must match bitwise.
+- underflow: a result below the smallest normal number of t.dtype is rounded to the fixed grid of
+  subnormals, with an absolute error of up to half their spacing, ETA (2^-25 for fp16, whose
+  normal range ends at 6.1e-5), which no relative term covers. One ETA is added to every bound
+  (negligible away from that range). With N(0, 1) fp16 data about one element in 10^7 needs it,
+  so the large fp16 tensors of the GPU profile hit it often.
+The absolute terms matter only where the two terms cancel or underflow; channels past rot_dim are
+copies and must match bitwise.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import torch
 
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-52}
 F32_EVAL = 2.0**-20
+# Half the spacing of the subnormals of each dtype: the absolute rounding error in the underflow range.
+ETA = {torch.float32: 2.0**-150, torch.float16: 2.0**-25, torch.bfloat16: 2.0**-134, torch.float64: 2.0**-1075}
 
 
 def partner_scale(x: torch.Tensor, rot_dim: int, interleaved: bool) -> torch.Tensor:
@@ -32,7 +39,7 @@ def partner_scale(x: torch.Tensor, rot_dim: int, interleaved: bool) -> torch.Ten
 
 
 def error_bound(ref64: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return EPS[dtype] * ref64.abs() + F32_EVAL * scale
+    return EPS[dtype] * ref64.abs() + F32_EVAL * scale + ETA[dtype]
 
 
 def assert_within_rounding(out: torch.Tensor, ref64: torch.Tensor, x: torch.Tensor, rot_dim: int,
@@ -70,7 +77,6 @@ def assert_within_rounding(out: torch.Tensor, ref64: torch.Tensor, x: torch.Tens
 # with N(0, 1) fp16 data about one element in 10^7 needs it.
 # ----------------------------------------------------------------------------------------------
 
-ETA = {torch.float32: 2.0**-150, torch.float16: 2.0**-25, torch.bfloat16: 2.0**-134, torch.float64: 2.0**-1075}
 
 
 def unit_error(dtype: torch.dtype) -> float:

@@ -1,0 +1,48 @@
+"""The kernel as a PyTorch custom op, for `torch.compile`.
+
+Dynamo cannot trace into a Triton launch through our cached direct-launch path, so compiled code
+calls `torch.ops.rope.rotate` instead: an opaque op with a fake (meta) implementation that gives
+the output's shape, dtype and (contiguous) layout, and an autograd formula whose backward is the
+same op with the direction flipped (the adjoint of the adjoint is the forward). Eager calls do not
+go through here: the dispatcher would add several microseconds to every call.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+OP_NAME = "rope::rotate"
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def rotate(x: torch.Tensor, freqs: torch.Tensor, start_positions: Optional[torch.Tensor],
+           cu_seqlens: Optional[torch.Tensor], tensor_format: str, interleaved: bool, cp_size: int,
+           cp_rank: int, backward: bool) -> torch.Tensor:
+    from .functional import _call_for, _rotate
+
+    call = _call_for(x, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
+    freqs32 = freqs if freqs.dtype == torch.float32 else freqs.float()
+    return _rotate(call, x, freqs32, start_positions, cu_seqlens, backward)
+
+
+@rotate.register_fake
+def _(x, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank, backward):
+    return x.new_empty(x.shape)  # a new contiguous tensor of x's shape and dtype, as the kernel writes
+
+
+def _setup_context(ctx, inputs, output):
+    _, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank, backward = inputs
+    ctx.save_for_backward(freqs, start_positions, cu_seqlens)
+    ctx.args = (tensor_format, interleaved, cp_size, cp_rank, backward)
+
+
+def _backward(ctx, grad):
+    freqs, start_positions, cu_seqlens = ctx.saved_tensors
+    tensor_format, interleaved, cp_size, cp_rank, backward = ctx.args
+    grad_x = rotate(grad, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank,
+                    not backward)
+    return grad_x, None, None, None, None, None, None, None, None
+
+
+rotate.register_autograd(_backward, setup_context=_setup_context)
