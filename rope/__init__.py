@@ -2,7 +2,9 @@
 from . import reference
 from ._validate import set_value_checks
 from .embedding import RotaryPositionEmbedding
-from .functional import apply_rotary_pos_emb
+from .functional import apply_rotary_pos_emb, apply_rotary_pos_emb_qk
 
-__all__ = ["apply_rotary_pos_emb", "RotaryPositionEmbedding", "reference", "set_value_checks"]
+__all__ = [
+    "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "RotaryPositionEmbedding", "reference", "set_value_checks",
+]
 __version__ = "0.1.0"

@@ -64,30 +64,18 @@ def _pin(v, PIN: tl.constexpr):
 
 
 @triton.jit
-def rope_kernel(
-    x_ptr, out_ptr, freqs_ptr, start_ptr, cu_ptr,
-    n_heads, n_batch, rows_per_group, rows_per_program,
-    seq_len, n_seqs, freqs_len, cp_size, cp_rank,
-    stride_xs, stride_xb, stride_xh, stride_xd,
-    stride_os, stride_ob, stride_oh,
-    stride_fs, stride_fd,
-    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-    IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    RNE_BF16: tl.constexpr, PIN: tl.constexpr,
-):
-    HALF: tl.constexpr = ROT_DIM // 2
+def _group(n_batch, GROUP_PER_BATCH: tl.constexpr):
+    """(s index, b index) of this program's group of rows that share one position."""
     group = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-
-    # ---- which token(s) this group is, and its position -------------------------------------
     if GROUP_PER_BATCH:
-        s_idx = group // n_batch
-        b_idx = group % n_batch
-    else:
-        s_idx = group
-        b_idx = 0
+        return group // n_batch, group % n_batch
+    return group, group * 0
+
+
+@triton.jit
+def _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank,
+              IS_THD: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr):
+    """Position of the group's token(s) (SPEC.md section 3)."""
     if IS_THD:
         # Largest q with cu[q] / cp_size <= token (empty sequences are skipped by "largest").
         lo = 0
@@ -111,19 +99,28 @@ def rope_kernel(
         pos = tl.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
     if HAS_START:
         pos = pos + tl.load(start_ptr + seq_idx).to(tl.int64)
-    # Only reachable when value checks were skipped (graph capture): never read past freqs;
-    # the rotated channels of such a token become NaN instead.
-    pos_ok = (pos >= 0) & (pos < freqs_len)
+    return pos
 
-    # ---- angles: once per program ------------------------------------------------------------
+
+@triton.jit
+def _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd,
+            ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+            BLOCK_HALF: tl.constexpr, PIN: tl.constexpr):
+    """cos/sin factors of channels a and b = partner(a), as [1, BLOCK_HALF] rows, once per program.
+
+    Backward uses the adjoint's factors: (sin_a, sin_b) -> (-sin f[b], -sin f[a]).
+    """
+    # Only reachable when value checks were skipped (graph capture, or switched off): never read
+    # past freqs; the rotated channels of such a token become NaN instead.
+    pos_ok = (pos >= 0) & (pos < freqs_len)
     k = tl.arange(0, BLOCK_HALF)
-    k_ok = k < HALF
+    k_ok = k < ROT_DIM // 2
     if INTERLEAVED:
         col_a = 2 * k
         col_b = 2 * k + 1
     else:
         col_a = k
-        col_b = k + HALF
+        col_b = k + ROT_DIM // 2
     f_row = freqs_ptr + tl.where(pos_ok, pos, 0) * stride_fs
     fa = tl.load(f_row + col_a * stride_fd, mask=k_ok, other=0.0)
     fb = tl.load(f_row + col_b * stride_fd, mask=k_ok, other=0.0)
@@ -137,17 +134,28 @@ def rope_kernel(
     else:
         sin_a = tl.sin(fa)
         sin_b = tl.sin(fb)
-    cos_a = _pin(cos_a, PIN)[None, :]
-    cos_b = _pin(cos_b, PIN)[None, :]
-    sin_a = _pin(sin_a, PIN)[None, :]
-    sin_b = _pin(sin_b, PIN)[None, :]
+    return (_pin(cos_a, PIN)[None, :], _pin(cos_b, PIN)[None, :],
+            _pin(sin_a, PIN)[None, :], _pin(sin_b, PIN)[None, :])
 
-    # ---- rows ----------------------------------------------------------------------------------
-    x_base = s_idx * stride_xs + b_idx * stride_xb
-    o_base = s_idx * stride_os + b_idx * stride_ob
-    r_begin = split * rows_per_program
-    r_end = tl.minimum(r_begin + rows_per_program, rows_per_group)
+
+@triton.jit
+def _rotate_rows(x_ptr, out_ptr, x_base, o_base, r_begin, r_end, n_heads,
+                 stride_xb, stride_xh, stride_xd, stride_ob, stride_oh, stride_od,
+                 cos_a, cos_b, sin_a, sin_b,
+                 HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr, INPLACE: tl.constexpr):
+    """Rotate rows [r_begin, r_end) of one group with the group's cos/sin factors."""
+    k = tl.arange(0, BLOCK_HALF)
+    k_ok = k < ROT_DIM // 2
+    if INTERLEAVED:
+        col_a = 2 * k
+        col_b = 2 * k + 1
+    else:
+        col_a = k
+        col_b = k + ROT_DIM // 2
     r = tl.arange(0, BLOCK_R)
+    out_ty = out_ptr.dtype.element_ty
     for r0 in range(r_begin, r_end, BLOCK_R):
         rows = (r0 + r).to(tl.int64)
         r_ok = rows < r_end
@@ -170,15 +178,84 @@ def rope_kernel(
             xb = _load_row_chunk(x_ptr, x_row, col_b, stride_xd, m).to(tl.float32)
         out_a = xa * cos_a - xb * sin_a
         out_b = xb * cos_b + xa * sin_b
-        out_ty = out_ptr.dtype.element_ty
+        if INPLACE:
+            # Every element this program stores was loaded by it, but a layout wider than the tile
+            # gives some elements to several threads: without the barrier one thread could store
+            # the rotated value before another loads the original (the race of the seed study).
+            tl.debug_barrier()
         if INTERLEAVED:
             y = tl.reshape(tl.join(out_a, out_b), (BLOCK_R, 2 * BLOCK_HALF))
-            tl.store(out_ptr + o_row[:, None] + cols[None, :], _to_output(y, out_ty, RNE_BF16), mask=m)
+            tl.store(out_ptr + o_row[:, None] + cols[None, :] * stride_od, _to_output(y, out_ty, RNE_BF16),
+                     mask=m)
         else:
-            tl.store(out_ptr + o_row[:, None] + col_a[None, :], _to_output(out_a, out_ty, RNE_BF16), mask=m)
-            tl.store(out_ptr + o_row[:, None] + col_b[None, :], _to_output(out_b, out_ty, RNE_BF16), mask=m)
-        if BLOCK_TAIL > 0:
+            tl.store(out_ptr + o_row[:, None] + col_a[None, :] * stride_od, _to_output(out_a, out_ty, RNE_BF16),
+                     mask=m)
+            tl.store(out_ptr + o_row[:, None] + col_b[None, :] * stride_od, _to_output(out_b, out_ty, RNE_BF16),
+                     mask=m)
+        if BLOCK_TAIL > 0 and not INPLACE:  # in place, the pass-through channels are already there
             t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
             mt = r_ok[:, None] & (t_cols < HEAD_DIM)[None, :]
             tail = _load_row_chunk(x_ptr, x_row, t_cols, stride_xd, mt)
-            tl.store(out_ptr + o_row[:, None] + t_cols[None, :], tail, mask=mt)
+            tl.store(out_ptr + o_row[:, None] + t_cols[None, :] * stride_od, tail, mask=mt)
+
+
+@triton.jit
+def rope_kernel(
+    x_ptr, out_ptr, freqs_ptr, start_ptr, cu_ptr,
+    n_heads, n_batch, rows_per_group, rows_per_program,
+    seq_len, n_seqs, freqs_len, cp_size, cp_rank,
+    stride_xs, stride_xb, stride_xh, stride_xd,
+    stride_os, stride_ob, stride_oh, stride_od,
+    stride_fs, stride_fd,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr,
+):
+    s_idx, b_idx = _group(n_batch, GROUP_PER_BATCH)
+    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP)
+    cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
+                                         BACKWARD, BLOCK_HALF, PIN)
+    r_begin = tl.program_id(1) * rows_per_program
+    r_end = tl.minimum(r_begin + rows_per_program, rows_per_group)
+    _rotate_rows(x_ptr, out_ptr, s_idx * stride_xs + b_idx * stride_xb, s_idx * stride_os + b_idx * stride_ob,
+                 r_begin, r_end, n_heads, stride_xb, stride_xh, stride_xd, stride_ob, stride_oh, stride_od,
+                 cos_a, cos_b, sin_a, sin_b, HEAD_DIM, ROT_DIM, INTERLEAVED, GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF,
+                 BLOCK_TAIL, RNE_BF16, INPLACE)
+
+
+@triton.jit
+def rope_qk_kernel(
+    q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, start_ptr, cu_ptr,
+    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program,
+    seq_len, n_seqs, freqs_len, cp_size, cp_rank,
+    stride_qs, stride_qb, stride_qh, stride_qd,
+    stride_qos, stride_qob, stride_qoh, stride_qod,
+    stride_ks, stride_kb, stride_kh, stride_kd,
+    stride_kos, stride_kob, stride_koh, stride_kod,
+    stride_fs, stride_fd,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr,
+):
+    """q and k of one layer in one launch: a group's angles are read and evaluated once for both.
+
+    The group's rows are q's rows followed by k's; program_id(1) splits that joint row range.
+    """
+    s_idx, b_idx = _group(n_batch, GROUP_PER_BATCH)
+    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP)
+    cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
+                                         BACKWARD, BLOCK_HALF, PIN)
+    r_begin = tl.program_id(1) * rows_per_program
+    r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
+    _rotate_rows(q_ptr, qo_ptr, s_idx * stride_qs + b_idx * stride_qb, s_idx * stride_qos + b_idx * stride_qob,
+                 r_begin, tl.minimum(r_end, q_rows), q_heads, stride_qb, stride_qh, stride_qd,
+                 stride_qob, stride_qoh, stride_qod, cos_a, cos_b, sin_a, sin_b, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                 GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
+    _rotate_rows(k_ptr, ko_ptr, s_idx * stride_ks + b_idx * stride_kb, s_idx * stride_kos + b_idx * stride_kob,
+                 tl.maximum(r_begin, q_rows) - q_rows, r_end - q_rows, k_heads, stride_kb, stride_kh, stride_kd,
+                 stride_kob, stride_koh, stride_kod, cos_a, cos_b, sin_a, sin_b, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                 GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)

@@ -14,7 +14,7 @@ import os
 import torch
 import triton
 
-from ._kernel import rope_kernel
+from ._kernel import rope_kernel, rope_qk_kernel
 from ._validate import Layout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -53,37 +53,44 @@ def _cdiv(a, b):
 class Plan:
     """Grid, scalar arguments and, once compiled, the direct launcher for one call signature."""
 
-    __slots__ = ("grid", "scalars", "num_warps", "compiled")
+    __slots__ = ("kernel", "grid", "scalars", "num_warps", "compiled")
 
-    def __init__(self, grid, scalars, num_warps):
+    def __init__(self, kernel, grid, scalars, num_warps):
+        self.kernel = kernel
         self.grid = grid
-        self.scalars = scalars  # every argument after the five pointers, in the kernel's order
+        self.scalars = scalars  # every argument after the pointers, in the kernel's order
         self.num_warps = num_warps
         self.compiled = None
 
 
-def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: bool, has_start: bool,
-              cp_size: int, cp_rank: int, freqs_stride: tuple, backward: bool) -> Plan:
-    s, b, h, d, d2 = layout.s, layout.b, layout.h, layout.d, layout.rot_dim
+def _roles(x: torch.Tensor, tensor_format: str) -> tuple:
+    """x's strides in the kernel's (s, b, h, d) roles; thd has no b."""
     st = x.stride()
     if tensor_format == "sbhd":
-        xs, xb, xh, xd = st
-        os_, ob, oh = b * h * d, h * d, d
-    elif tensor_format == "bshd":
-        xb, xs, xh, xd = st
-        os_, ob, oh = h * d, s * h * d, d
-    else:
-        xs, xh, xd = st
-        xb = 0
-        os_, ob, oh = h * d, 0, d
-    is_thd = tensor_format == "thd"
-    per_batch = has_start and not is_thd
-    rows_per_group = h if (per_batch or is_thd) else b * h
-    n_groups = s * b if per_batch else s
+        return st
+    if tensor_format == "bshd":
+        return st[1], st[0], st[2], st[3]
+    return st[0], 0, st[1], st[2]
 
+
+def _out_roles(x: torch.Tensor, tensor_format: str, inplace: bool) -> tuple:
+    """Strides of the output in the same roles: x's own in place, else a new contiguous tensor's."""
+    if inplace:
+        return _roles(x, tensor_format)
+    if tensor_format == "thd":
+        _, h, d = x.shape
+        return h * d, 0, d, 1
+    a, b_, h, d = x.shape  # (s, b) or (b, s)
+    outer, inner = (a, b_) if tensor_format == "sbhd" else (b_, a)
+    row = h * d
+    return (inner * row, row, d, 1) if tensor_format == "sbhd" else (row, outer * row, d, 1)
+
+
+def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int):
+    """(BLOCK_R, BLOCK_HALF, BLOCK_TAIL, num_warps) by the rule above."""
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
-    vec = 16 // x.element_size()  # elements per 16-byte access
+    vec = 16 // element_size  # elements per 16-byte access
     if interleaved:
         narrowest = min(2 * block_half, block_tail or 2 * block_half)
         block_r = min(triton.next_power_of_2(rows_per_group), _ROWS_INTERLEAVED)
@@ -92,23 +99,66 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
         narrowest = min(block_half, block_tail or block_half)
         block_r = min(triton.next_power_of_2(rows_per_group), _ROWS_HALFSPLIT)
         threads = block_r * narrowest // vec
-    num_warps = max(1, min(8, threads // 32))
+    return block_r, block_half, block_tail, max(1, min(8, threads // 32))
 
-    target = _PROGRAMS_PER_SM * _sm_count(x.device)
+
+def _split(n_groups: int, rows: int, block_r: int, device) -> tuple:
+    """(programs per group, rows per program): split groups' rows until the GPU has enough programs."""
+    target = _PROGRAMS_PER_SM * _sm_count(device)
     splits = 1
     if n_groups < target:
-        splits = min(_cdiv(target, max(n_groups, 1)), _cdiv(rows_per_group, block_r))
-    rows_per_program = _cdiv(_cdiv(rows_per_group, splits), block_r) * block_r
-    splits = _cdiv(rows_per_group, rows_per_program)
+        splits = min(_cdiv(target, max(n_groups, 1)), _cdiv(rows, block_r))
+    rows_per_program = _cdiv(_cdiv(rows, splits), block_r) * block_r
+    return _cdiv(rows, rows_per_program), rows_per_program
 
+
+def _groups(layout: Layout, tensor_format: str, has_start: bool, h: int):
+    """(number of groups, rows per group, whether a group is one (s, b) pair)."""
+    per_batch = has_start and tensor_format != "thd"
+    if per_batch or tensor_format == "thd":
+        return (layout.s * layout.b if per_batch else layout.s), h, per_batch
+    return layout.s, layout.b * h, per_batch
+
+
+def _constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, dtype, inplace):
+    block_r, block_half, block_tail, _ = tile
+    return (layout.d, layout.rot_dim, interleaved, backward, tensor_format == "thd", per_batch, has_start,
+            cp_size > 1, block_r, block_half, block_tail, INTERPRET and dtype == torch.bfloat16, not INTERPRET,
+            inplace)
+
+
+def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: bool, has_start: bool,
+              cp_size: int, cp_rank: int, freqs_stride: tuple, backward: bool, inplace: bool = False) -> Plan:
+    n_groups, rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
+    tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), rows)
+    splits, rows_per_program = _split(n_groups, rows, tile[0], x.device)
     scalars = (
-        h, b, rows_per_group, rows_per_program, s, layout.n_seqs, layout.freqs_len, cp_size, cp_rank,
-        xs, xb, xh, xd, os_, ob, oh, freqs_stride[0], freqs_stride[3],
-        # constexprs, in the kernel's order
-        d, d2, interleaved, backward, is_thd, per_batch, has_start, cp_size > 1,
-        block_r, block_half, block_tail, INTERPRET and x.dtype == torch.bfloat16, not INTERPRET,
+        layout.h, layout.b, rows, rows_per_program, layout.s, layout.n_seqs, layout.freqs_len, cp_size, cp_rank,
+        *_roles(x, tensor_format), *_out_roles(x, tensor_format, inplace), freqs_stride[0], freqs_stride[3],
+        *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, x.dtype,
+                     inplace),
     )
-    return Plan((n_groups, splits, 1), scalars, num_warps)
+    return Plan(rope_kernel, (n_groups, splits, 1), scalars, tile[3])
+
+
+def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int, tensor_format: str,
+                 interleaved: bool, has_start: bool, cp_size: int, cp_rank: int, freqs_stride: tuple,
+                 backward: bool, inplace: bool = False) -> Plan:
+    """One launch for q and k (same tokens, head dim and dtype; head counts may differ)."""
+    n_groups, q_rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
+    _, k_rows, _ = _groups(layout, tensor_format, has_start, k_heads)
+    tile = _tile(layout.d, layout.rot_dim, interleaved, q.element_size(), max(q_rows, k_rows))
+    splits, rows_per_program = _split(n_groups, q_rows + k_rows, tile[0], q.device)
+    scalars = (
+        layout.h, k_heads, layout.b, q_rows, k_rows, rows_per_program, layout.s, layout.n_seqs, layout.freqs_len,
+        cp_size, cp_rank,
+        *_roles(q, tensor_format), *_out_roles(q, tensor_format, inplace),
+        *_roles(k, tensor_format), *_out_roles(k, tensor_format, inplace),
+        freqs_stride[0], freqs_stride[3],
+        *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, q.dtype,
+                     inplace),
+    )
+    return Plan(rope_qk_kernel, (n_groups, splits, 1), scalars, tile[3])
 
 
 def _hooks_set() -> bool:
@@ -121,12 +171,8 @@ def _hooks_set() -> bool:
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 
 
-def run(plan: Plan, x, out, freqs32, start, cu):
-    """Launch; `start`/`cu` may be None (the kernel never reads them then)."""
-    if start is None:
-        start = freqs32
-    if cu is None:
-        cu = freqs32
+def run(plan: Plan, pointers: tuple):
+    """Launch `plan` on its pointer arguments (tensors; None for an unused index tensor)."""
     compiled = plan.compiled
     if compiled is not None and not _hooks_set():
         # The compiled kernel's C launcher, called as Triton's own CompiledKernel runner calls it
@@ -134,13 +180,13 @@ def run(plan: Plan, x, out, freqs32, start, cu):
         # no argument binding, specialization or cache lookup per call. Valid for this plan only,
         # since the plan's key fixes everything the kernel was specialized on.
         g0, g1, g2 = plan.grid
-        compiled.run(g0, g1, g2, _raw_stream(x.device.index), compiled.function, compiled.packed_metadata,
-                     None, None, None, x, out, freqs32, start, cu, *plan.scalars)
+        compiled.run(g0, g1, g2, _raw_stream(pointers[0].device.index), compiled.function,
+                     compiled.packed_metadata, None, None, None, *pointers, *plan.scalars)
         return
     if compiled is not None:  # a profiler's launch hooks are set: take Triton's path, which calls them
-        compiled[plan.grid](x, out, freqs32, start, cu, *plan.scalars)
+        compiled[plan.grid](*pointers, *plan.scalars)
         return
-    compiled = rope_kernel[plan.grid](x, out, freqs32, start, cu, *plan.scalars, num_warps=plan.num_warps)
+    compiled = plan.kernel[plan.grid](*pointers, *plan.scalars, num_warps=plan.num_warps)
     if not INTERPRET:
         compiled._init_handles()
         plan.compiled = compiled

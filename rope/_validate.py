@@ -37,15 +37,15 @@ def _fail(exc, msg):
 
 
 def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                 allow_float64: bool) -> Layout:
+                 allow_float64: bool, name: str = "t") -> Layout:
     if not isinstance(t, torch.Tensor):
-        _fail(TypeError, f"t: expected a torch.Tensor, got {type(t).__name__}")
+        _fail(TypeError, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if not isinstance(freqs, torch.Tensor):
         _fail(TypeError, f"freqs: expected a torch.Tensor, got {type(freqs).__name__}")
     allowed = FLOAT_DTYPES + ((torch.float64,) if allow_float64 else ())
     if t.dtype not in allowed:
         extra = "" if allow_float64 else " (float64 runs only with fused=False, the reference)"
-        _fail(TypeError, f"t: expected dtype float32, float16 or bfloat16{extra}, got {t.dtype}")
+        _fail(TypeError, f"{name}: expected dtype float32, float16 or bfloat16{extra}, got {t.dtype}")
     if not freqs.is_floating_point():
         _fail(TypeError, f"freqs: expected floating-point angles, got {freqs.dtype}")
     if tensor_format not in FORMATS:
@@ -60,7 +60,7 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
     want_dim = 3 if tensor_format == "thd" else 4
     if t.dim() != want_dim:
         names = {"sbhd": "[s, b, h, d]", "bshd": "[b, s, h, d]", "thd": "[t, h, d]"}
-        _fail(ValueError, f"t: tensor_format {tensor_format!r} expects a {want_dim}-D tensor "
+        _fail(ValueError, f"{name}: tensor_format {tensor_format!r} expects a {want_dim}-D tensor "
                           f"{names[tensor_format]}, got shape {tuple(t.shape)}")
     if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
         _fail(ValueError, f"freqs: expected shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
@@ -70,7 +70,7 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
         _fail(ValueError, f"freqs: rotary width d2 = freqs.shape[-1] must be even with 2 <= d2 <= d = {d}, "
                           f"got d2 = {d2}")
     if freqs.device != t.device:
-        _fail(ValueError, f"freqs: expected the device of t ({t.device}), got {freqs.device}")
+        _fail(ValueError, f"freqs: expected the device of {name} ({t.device}), got {freqs.device}")
 
     if tensor_format == "thd":
         if cu_seqlens is None:
@@ -91,7 +91,7 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
         n_seqs = 0
         n_pos = b
         if cp_size > 1 and s % 2:
-            _fail(ValueError, f"t: with cp_size > 1 the local sequence length must be even, got {s}")
+            _fail(ValueError, f"{name}: with cp_size > 1 the local sequence length must be even, got {s}")
         if s > 0 and _max_position(s, cp_size, cp_rank) >= s2:
             _fail(ValueError, f"freqs: too short: positions reach {_max_position(s, cp_size, cp_rank)} "
                               f"but freqs has s2 = {s2} rows")
@@ -107,7 +107,32 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
     return Layout(s, b, h, d, d2, s2, n_seqs)
 
 
-def _check_index_tensor(name, x, t):
+def check_inplace(name: str, x: torch.Tensor) -> None:
+    """In-place rotation needs every element stored once, and autograd must be able to record it."""
+    if torch._debug_has_internal_overlap(x) == 1:
+        _fail(ValueError, f"{name}: in-place rotation needs a tensor whose elements do not overlap in memory "
+                          f"(an expanded or stride-0 view was given, strides {tuple(x.stride())})")
+    if x.requires_grad and x.is_leaf and torch.is_grad_enabled():
+        _fail(ValueError, f"{name}: in-place rotation of a leaf tensor that requires grad; rotate a copy, or "
+                          f"use inplace=False")
+
+
+def check_pair(q, k, tensor_format: str) -> None:
+    """q and k of one call: same tokens, head dim, dtype and device; head counts may differ."""
+    if not isinstance(k, torch.Tensor):
+        _fail(TypeError, f"k: expected a torch.Tensor, got {type(k).__name__}")
+    if not isinstance(q, torch.Tensor):
+        _fail(TypeError, f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if k.dtype != q.dtype:
+        _fail(TypeError, f"k: expected the dtype of q ({q.dtype}), got {k.dtype}")
+    if k.device != q.device:
+        _fail(ValueError, f"k: expected the device of q ({q.device}), got {k.device}")
+    if k.dim() != q.dim() or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        _fail(ValueError, f"k: expected the tokens and head dim of q (shape {tuple(q.shape)}, heads may differ), "
+                          f"got shape {tuple(k.shape)}")
+
+
+def _check_index_tensor(name, x, t, t_name="t"):
     if not isinstance(x, torch.Tensor):
         _fail(TypeError, f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INT_DTYPES:
@@ -115,7 +140,7 @@ def _check_index_tensor(name, x, t):
     if x.dim() != 1:
         _fail(ValueError, f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
     if x.device != t.device:
-        _fail(ValueError, f"{name}: expected the device of t ({t.device}), got {x.device}")
+        _fail(ValueError, f"{name}: expected the device of {t_name} ({t.device}), got {x.device}")
 
 
 def _max_position(length: int, cp_size: int, cp_rank: int) -> int:

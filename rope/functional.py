@@ -1,11 +1,11 @@
-"""Public entry point: TransformerEngine's `apply_rotary_pos_emb`, backed by the Triton kernel."""
+"""Public entry points: TransformerEngine's `apply_rotary_pos_emb`, and q and k in one launch."""
 from __future__ import annotations
 
 import torch
 
 from . import _launch, _ops, reference
-from ._launch import INTERPRET, make_plan, run
-from ._validate import check_positions, check_static
+from ._launch import INTERPRET, make_plan, make_qk_plan, run
+from ._validate import check_inplace, check_pair, check_positions, check_static
 
 
 class _Call:
@@ -19,13 +19,24 @@ class _Call:
         self.checks_values = start_positions is not None or cu_seqlens is not None
         self.plans = {}
 
-    def plan(self, x, freqs32, backward):
-        key = (backward, x.stride(), x.data_ptr() % 16, freqs32.stride(), freqs32.data_ptr() % 16)
+    def plan(self, x, freqs32, backward, inplace=False):
+        key = (backward, inplace, x.stride(), x.data_ptr() % 16, freqs32.stride(), freqs32.data_ptr() % 16)
         plan = self.plans.get(key)
         if plan is None:
             fmt, interleaved, has_start, cp_size, cp_rank = self.args
             plan = make_plan(x, self.layout, fmt, interleaved, has_start, cp_size, cp_rank, freqs32.stride(),
-                             backward)
+                             backward, inplace)
+            self.plans[key] = plan
+        return plan
+
+    def qk_plan(self, q, k, k_heads, freqs32, backward, inplace=False):
+        key = ("qk", backward, inplace, q.stride(), q.data_ptr() % 16, k.shape, k.stride(), k.data_ptr() % 16,
+               freqs32.stride(), freqs32.data_ptr() % 16)
+        plan = self.plans.get(key)
+        if plan is None:
+            fmt, interleaved, has_start, cp_size, cp_rank = self.args
+            plan = make_qk_plan(q, k, self.layout, k_heads, fmt, interleaved, has_start, cp_size, cp_rank,
+                                freqs32.stride(), backward, inplace)
             self.plans[key] = plan
         return plan
 
@@ -37,56 +48,8 @@ def _index_key(x):
     return None if x is None else (x.shape, x.dtype, x.device, x.data_ptr() % 16)
 
 
-def _rotate(call, x, freqs32, start_positions, cu_seqlens, backward):
-    out = _launch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel():
-        run(call.plan(x, freqs32, backward), x, out, freqs32, start_positions, cu_seqlens)
-    return out
-
-
-class _RoPEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, freqs32, start_positions, cu_seqlens, call):
-        ctx.call = call
-        ctx.inputs = (freqs32, start_positions, cu_seqlens)
-        return _rotate(call, t, freqs32, start_positions, cu_seqlens, False)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        freqs32, start_positions, cu_seqlens = ctx.inputs
-        return _rotate(ctx.call, grad_out, freqs32, start_positions, cu_seqlens, True), None, None, None, None
-
-
-def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
-                         fused=True, cu_seqlens=None, cp_size=1, cp_rank=0):
-    """Apply rotary position embedding to `t` (TransformerEngine 2.x semantics; see SPEC.md).
-
-    t: [s, b, h, d] (sbhd), [b, s, h, d] (bshd) or [t, h, d] (thd), any strides.
-    freqs: angles [s2, 1, 1, d2], d2 even and <= d; read as float32.
-    fused=True runs the Triton kernel (on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1);
-    fused=False, or CPU tensors without the interpreter, run `rope.reference`.
-    Returns a new contiguous tensor of t's shape and dtype; `t` is never modified. The gradient
-    flows to `t` only (as in TransformerEngine's fused path, `freqs` gets none).
-    """
-    if not fused or (isinstance(t, torch.Tensor) and t.device.type == "cpu" and not INTERPRET):
-        return reference.apply_rotary_pos_emb(t, freqs, tensor_format, start_positions, interleaved,
-                                              fused, cu_seqlens, cp_size, cp_rank)
-    if torch.compiler.is_compiling():
-        # Traced code: checks on shapes become guards, the launch an opaque custom op.
-        check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                     allow_float64=False)
-        return _ops.rotate(t, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank,
-                           False)
-    call = _call_for(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
-    if call.checks_values:
-        check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
-    freqs32 = freqs if freqs.dtype == torch.float32 else freqs.float()
-    if t.requires_grad and torch.is_grad_enabled():
-        return _RoPEFunction.apply(t, freqs32, start_positions, cu_seqlens, call)
-    return _rotate(call, t, freqs32, start_positions, cu_seqlens, False)
-
-
-def _call_for(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank) -> _Call:
+def _call_for(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+              name="t") -> _Call:
     """The checked call for this signature: validated on first sight, then found in a dict."""
     try:
         key = (t.shape, t.stride(), t.dtype, t.device, freqs.shape, freqs.dtype, freqs.device, tensor_format,
@@ -97,8 +60,132 @@ def _call_for(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
         key, call = None, None
     if call is None:
         layout = check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
-                              cp_rank, allow_float64=False)
+                              cp_rank, allow_float64=False, name=name)
         call = _Call(layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank)
         if key is not None:
             _CALLS[key] = call
     return call
+
+
+def _pointers(freqs32, start_positions, cu_seqlens):
+    # Unused index tensors still need a valid pointer argument; the kernel never reads them.
+    return freqs32, start_positions if start_positions is not None else freqs32, \
+        cu_seqlens if cu_seqlens is not None else freqs32
+
+
+def _rotate(call, x, freqs32, start_positions, cu_seqlens, backward, inplace=False):
+    out = x if inplace else _launch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        run(call.plan(x, freqs32, backward, inplace), (x, out, *_pointers(freqs32, start_positions, cu_seqlens)))
+    return out
+
+
+def _rotate_qk(call, q, k, freqs32, start_positions, cu_seqlens, backward, inplace=False):
+    qo = q if inplace else _launch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = k if inplace else _launch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if qo.numel() or ko.numel():
+        plan = call.qk_plan(q, k, k.shape[-2], freqs32, backward, inplace)
+        run(plan, (q, qo, k, ko, *_pointers(freqs32, start_positions, cu_seqlens)))
+    return qo, ko
+
+
+class _RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, freqs32, start_positions, cu_seqlens, call, inplace):
+        ctx.call = call
+        ctx.inputs = (freqs32, start_positions, cu_seqlens)
+        out = _rotate(call, t, freqs32, start_positions, cu_seqlens, False, inplace)
+        if inplace:
+            ctx.mark_dirty(t)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        freqs32, start_positions, cu_seqlens = ctx.inputs
+        return _rotate(ctx.call, grad_out, freqs32, start_positions, cu_seqlens, True), None, None, None, None, None
+
+
+class _RoPEQKFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, freqs32, start_positions, cu_seqlens, call, inplace):
+        ctx.call = call
+        ctx.inputs = (freqs32, start_positions, cu_seqlens)
+        qo, ko = _rotate_qk(call, q, k, freqs32, start_positions, cu_seqlens, False, inplace)
+        if inplace:
+            ctx.mark_dirty(q, k)
+        return qo, ko
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        freqs32, start_positions, cu_seqlens = ctx.inputs
+        gq, gk = _rotate_qk(ctx.call, grad_q, grad_k, freqs32, start_positions, cu_seqlens, True)
+        return gq, gk, None, None, None, None, None
+
+
+def _use_reference(fused, t) -> bool:
+    return not fused or (isinstance(t, torch.Tensor) and t.device.type == "cpu" and not INTERPRET)
+
+
+def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
+                         fused=True, cu_seqlens=None, cp_size=1, cp_rank=0, *, inplace=False):
+    """Apply rotary position embedding to `t` (TransformerEngine 2.x semantics; see SPEC.md).
+
+    t: [s, b, h, d] (sbhd), [b, s, h, d] (bshd) or [t, h, d] (thd), any strides.
+    freqs: angles [s2, 1, 1, d2], d2 even and <= d; read as float32.
+    fused=True runs the Triton kernel (on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1);
+    fused=False, or CPU tensors without the interpreter, run `rope.reference`.
+    Returns a new contiguous tensor of t's shape and dtype; `t` is never modified. The gradient
+    flows to `t` only (as in TransformerEngine's fused path, `freqs` gets none).
+    inplace=True (not in TE) rotates `t` itself and returns it (race-free; marked dirty for autograd).
+    """
+    if _use_reference(fused, t):
+        out = reference.apply_rotary_pos_emb(t, freqs, tensor_format, start_positions, interleaved,
+                                             fused, cu_seqlens, cp_size, cp_rank)
+        if inplace:
+            check_inplace("t", t)
+            return t.copy_(out)
+        return out
+    if torch.compiler.is_compiling():
+        # Traced code: checks on shapes become guards, the launch an opaque custom op.
+        check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                     allow_float64=False)
+        out = _ops.rotate(t, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank,
+                          False)
+        return t.copy_(out) if inplace else out
+    call = _call_for(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
+    if inplace:
+        check_inplace("t", t)
+    if call.checks_values:
+        check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    freqs32 = freqs if freqs.dtype == torch.float32 else freqs.float()
+    if t.requires_grad and torch.is_grad_enabled():
+        return _RoPEFunction.apply(t, freqs32, start_positions, cu_seqlens, call, inplace)
+    return _rotate(call, t, freqs32, start_positions, cu_seqlens, False, inplace)
+
+
+def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
+                            cu_seqlens=None, cp_size=1, cp_rank=0, *, inplace=False):
+    """Rotate q and k with the same angles in one launch; returns (q_out, k_out).
+
+    q and k share format, tokens, head dim and dtype; their head counts may differ (GQA, MQA).
+    Each group's angles are read and their sin/cos evaluated once for both tensors, and the
+    backward computes both gradients in one launch too. Same semantics as two calls of
+    `apply_rotary_pos_emb`; CPU tensors without the interpreter use the reference twice.
+    """
+    if _use_reference(True, q) or torch.compiler.is_compiling():
+        check_pair(q, k, tensor_format)
+        kw = dict(tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved,
+                  cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, inplace=inplace)
+        return apply_rotary_pos_emb(q, freqs, **kw), apply_rotary_pos_emb(k, freqs, **kw)
+    check_pair(q, k, tensor_format)
+    call = _call_for(q, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "q")
+    _call_for(k, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "k")
+    if inplace:
+        check_inplace("q", q)
+        check_inplace("k", k)
+    if call.checks_values:
+        check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    freqs32 = freqs if freqs.dtype == torch.float32 else freqs.float()
+    if (q.requires_grad or k.requires_grad) and torch.is_grad_enabled():
+        return _RoPEQKFunction.apply(q, k, freqs32, start_positions, cu_seqlens, call, inplace)
+    return _rotate_qk(call, q, k, freqs32, start_positions, cu_seqlens, False, inplace)

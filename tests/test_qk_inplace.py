@@ -1,0 +1,183 @@
+"""q and k in one launch, and the in-place mode (SPEC.md section 6)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import rope
+import rope.functional
+from rope import reference
+
+from .cases import DEVICE, make_freqs, make_t, poison_outputs  # noqa: F401
+from .numerics import assert_within_rounding
+
+pytestmark = pytest.mark.ours_only
+
+S, B, D = 6, 2, 32
+HEADS = [(4, 1), (4, 2), (2, 4), (3, 3)]  # MQA, GQA, more kv heads than q heads, MHA
+
+
+def _kw(tensor_format, mode, gen, n_pos):
+    kw = dict(tensor_format=tensor_format)
+    if mode == "start":
+        kw["start_positions"] = torch.randint(0, 5, (n_pos,), generator=gen).to(DEVICE)
+    elif mode == "cp":
+        kw.update(cp_size=2, cp_rank=1)
+    return kw
+
+
+def _pair(tensor_format, hq, hk, dtype, seed, mode=None, layout="contiguous"):
+    gen = torch.Generator().manual_seed(seed)
+    cp = 2 if mode == "cp" else 1
+    if tensor_format == "thd":
+        lengths = [4 * cp, 0, 8 * cp, 2 * cp]
+        tokens = sum(lengths) // cp
+        q = make_t("thd", tokens, 1, hq, D, dtype, gen, layout)
+        k = make_t("thd", tokens, 1, hk, D, dtype, gen, layout)
+        kw = _kw(tensor_format, mode, gen, len(lengths))
+        kw["cu_seqlens"] = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32,
+                                        device=DEVICE)
+    else:
+        q = make_t(tensor_format, S, B, hq, D, dtype, gen, layout)
+        k = make_t(tensor_format, S, B, hk, D, dtype, gen, layout)
+        kw = _kw(tensor_format, mode, gen, B)
+    return q, k, gen, kw
+
+
+@pytest.mark.parametrize("mode", [None, "start", "cp"], ids=str)
+@pytest.mark.parametrize("hq,hk", HEADS)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+def test_qk_matches_two_calls_and_float64(tensor_format, interleaved, hq, hk, mode, poison_outputs):  # noqa: F811
+    q, k, gen, kw = _pair(tensor_format, hq, hk, torch.bfloat16, seed=hq * 10 + hk, mode=mode)
+    d2 = 24  # partial rotary: the tail is copied for both tensors
+    freqs = make_freqs(64, d2, gen)
+    kw["interleaved"] = interleaved
+    gq = torch.randn(q.shape, generator=gen).to(q.dtype).to(DEVICE)
+    gk = torch.randn(k.shape, generator=gen).to(k.dtype).to(DEVICE)
+
+    q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    qo, ko = rope.apply_rotary_pos_emb_qk(q1, k1, freqs, **kw)
+    torch.autograd.backward((qo, ko), (gq, gk))
+    q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    qs, ks = rope.apply_rotary_pos_emb(q2, freqs, **kw), rope.apply_rotary_pos_emb(k2, freqs, **kw)
+    torch.autograd.backward((qs, ks), (gq, gk))
+    # the same arithmetic on the same angles: bitwise equal to two single calls
+    assert torch.equal(qo, qs) and torch.equal(ko, ks)
+    assert torch.equal(q1.grad, q2.grad) and torch.equal(k1.grad, k2.grad)
+    for x, out, g, grad in ((q, qo, gq, q1.grad), (k, ko, gk, k1.grad)):
+        x64 = x.double().requires_grad_()
+        ref = reference.apply_rotary_pos_emb(x64, freqs, **kw)
+        ref.backward(g.double())
+        assert_within_rounding(out, ref, x, d2, interleaved, "forward")
+        assert_within_rounding(grad, x64.grad, g, d2, interleaved, "backward")
+
+
+def test_qk_is_one_launch_each_way(monkeypatch):
+    launches = []
+    real_run = rope.functional.run
+
+    def counting_run(plan, pointers):
+        launches.append(plan.kernel.__name__ if hasattr(plan.kernel, "__name__") else str(plan.kernel))
+        return real_run(plan, pointers)
+
+    monkeypatch.setattr(rope.functional, "run", counting_run)
+    q, k, gen, kw = _pair("sbhd", 4, 2, torch.float32, seed=1)
+    freqs = make_freqs(16, D, gen)
+    q.requires_grad_()
+    k.requires_grad_()
+    qo, ko = rope.apply_rotary_pos_emb_qk(q, k, freqs, **kw)
+    assert len(launches) == 1
+    (qo.square().sum() + ko.sum()).backward()
+    assert len(launches) == 2
+
+
+def test_qk_gradient_of_one_output_only():
+    """Only q's output used: k's gradient is zero, q's equals the single call's."""
+    q, k, gen, kw = _pair("bshd", 2, 1, torch.float32, seed=2)
+    freqs = make_freqs(16, D, gen)
+    q.requires_grad_()
+    k.requires_grad_()
+    qo, _ = rope.apply_rotary_pos_emb_qk(q, k, freqs, **kw)
+    g = torch.randn(qo.shape, generator=gen).to(DEVICE)
+    qo.backward(g)
+    q2 = q.detach().clone().requires_grad_()
+    rope.apply_rotary_pos_emb(q2, freqs, **kw).backward(g)
+    assert torch.equal(q.grad, q2.grad)
+    assert k.grad is None or not k.grad.any()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q, k: (q, k.double()), "k"),
+    (lambda q, k: (q, k[:, :1]), "k"),
+    (lambda q, k: (q, k[..., :16]), "k"),
+    (lambda q, k: (q, k.tolist()), "k"),
+])
+def test_qk_bad_pairs(bad, match):
+    q, k, gen, kw = _pair("sbhd", 2, 2, torch.float32, seed=3)
+    freqs = make_freqs(16, 16, gen)
+    q2, k2 = bad(q, k)
+    with pytest.raises((ValueError, TypeError), match=match):
+        rope.apply_rotary_pos_emb_qk(q2, k2, freqs, **kw)
+
+
+# ---- in place -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced", "strided_last"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
+@pytest.mark.parametrize("tensor_format", ["sbhd", "thd"])
+@pytest.mark.parametrize("d2", [32, 12], ids=["full", "partial"])
+def test_inplace_equals_out_of_place(tensor_format, interleaved, layout, d2):
+    """Same values bitwise, in t's own memory and strides. (On a GPU this is also the race test:
+    a program whose layout is wider than its tile would, without the barrier, store some rotated
+    values before other threads load them; rows < 8 and d2 = 12 make such tiles.)"""
+    q, k, gen, kw = _pair(tensor_format, 3, 1, torch.bfloat16, seed=4, layout=layout)
+    freqs = make_freqs(64, d2, gen)
+    kw["interleaved"] = interleaved
+    want = rope.apply_rotary_pos_emb(q, freqs, **kw)
+    x = q.clone() if layout == "contiguous" else q  # `q` is a fresh view of its own storage
+    storage_before = x.untyped_storage().data_ptr()
+    strides_before = x.stride()
+    out = rope.apply_rotary_pos_emb(x, freqs, **kw, inplace=True)
+    assert out is x
+    assert x.untyped_storage().data_ptr() == storage_before and x.stride() == strides_before
+    assert torch.equal(x, want)
+
+
+def test_inplace_autograd():
+    gen = torch.Generator().manual_seed(5)
+    leaf = make_t("sbhd", S, B, 3, D, torch.float32, gen).requires_grad_()
+    freqs = make_freqs(16, D, gen)
+    g = torch.randn(leaf.shape, generator=gen).to(DEVICE)
+    y = leaf * 1.5  # a non-leaf may be rotated in place
+    version = y._version
+    out = rope.apply_rotary_pos_emb(y, freqs, inplace=True)
+    assert out is y and y._version > version
+    out.backward(g)
+    leaf2 = leaf.detach().clone().requires_grad_()
+    rope.apply_rotary_pos_emb(leaf2 * 1.5, freqs).backward(g)
+    assert torch.equal(leaf.grad, leaf2.grad)
+
+
+def test_inplace_qk():
+    q, k, gen, kw = _pair("bshd", 4, 2, torch.float16, seed=6)
+    freqs = make_freqs(16, D, gen)
+    want_q, want_k = rope.apply_rotary_pos_emb_qk(q, k, freqs, **kw)
+    qo, ko = rope.apply_rotary_pos_emb_qk(q, k, freqs, **kw, inplace=True)
+    assert qo is q and ko is k
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+def test_inplace_rejects_overlapping_and_leaf():
+    gen = torch.Generator().manual_seed(7)
+    freqs = make_freqs(16, 16, gen)
+    expanded = torch.randn(1, 1, 2, 16, device=DEVICE).expand(S, B, 2, 16)
+    with pytest.raises(ValueError, match=r"\bt\b.*overlap"):
+        rope.apply_rotary_pos_emb(expanded, freqs, inplace=True)
+    leaf = torch.randn(S, B, 2, 16, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match=r"\bt\b.*leaf"):
+        rope.apply_rotary_pos_emb(leaf, freqs, inplace=True)
+    before = expanded.clone()
+    assert torch.equal(expanded, before)
