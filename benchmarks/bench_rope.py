@@ -3,6 +3,11 @@
 Forward, backward and forward+backward are separate benchmarks for `rope` and the eager PyTorch
 reference on every case of `rope.bench.shapes` (ROPE_BENCH_QUICK=1 for the --quick subset,
 ROPE_BENCH_SHAPES=name,... for chosen ones), plus `torch.clone` of the same tensor as the floor.
+The large q/k case (Llama GQA) compares `ours_qk` (one apply_rotary_pos_emb_qk call) with `ours_2x`
+(two apply_rotary_pos_emb calls), forward and backward, with clone of q and k as the floor:
+`pytest --benchmark-only benchmarks -k qk`. The other q/k cases run only when named in
+ROPE_BENCH_SHAPES. The in-place case times `ours_inplace` forward (repeated rotations of one
+buffer under no_grad).
 
 Timing: pytest-benchmark's clock is replaced by one that synchronizes the GPU before reading the
 host clock, so a round is N back-to-back eager calls bracketed by two synchronizations: the time
@@ -22,7 +27,7 @@ import pytest
 import torch
 
 from rope.bench.checks import check_impl, reference64
-from rope.bench.inputs import make_inputs, sets_for
+from rope.bench.inputs import leaf, make_inputs, parts, sets_for
 from rope.bench.peers import make_impls
 from rope.bench.shapes import select
 from rope.bench.timing import Budget, cuda_sync_clock, gpu_time, l2_bytes
@@ -43,14 +48,25 @@ pytestmark = [
     pytest.mark.benchmark(timer=cuda_sync_clock, disable_gc=True),
 ]
 
-CASES = select(
-    [n for n in os.environ.get("ROPE_BENCH_SHAPES", "").split(",") if n] or None,
-    quick=os.environ.get("ROPE_BENCH_QUICK") == "1",
-)
-IMPLS = {impl.name: impl for impl in make_impls(["ours", "reference"])}
+_NAMED = [n for n in os.environ.get("ROPE_BENCH_SHAPES", "").split(",") if n]
+CASES = select(_NAMED or None, quick=os.environ.get("ROPE_BENCH_QUICK") == "1")
+IMPLS = {impl.name: impl for impl in make_impls(["ours", "reference", "ours_qk", "ours_2x", "ours_inplace"])}
 MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+def _benchmarks(case):
+    """(impl, mode) pairs for a case, by its kind; clone first as the floor."""
+    if case.kind == "qk":
+        if not (_NAMED or "qk_headline" in case.tags):
+            return []
+        return [("clone", "fwd")] + [(i, m) for i in ("ours_qk", "ours_2x") for m in ("fwd", "bwd")]
+    if case.kind == "inplace":
+        return [("clone", "fwd"), ("ours_inplace", "fwd")]
+    return [("clone", "fwd")] + [(i, m) for i in ("ours", "reference") for m in MODES]
+
+
 # Case outermost, so one case's tensors are alive at a time.
-PARAMS = [p for c in CASES for p in [(c, "clone", "fwd")] + [(c, i, m) for i in IMPLS for m in MODES]]
+PARAMS = [(c, i, m) for c in CASES for i, m in _benchmarks(c)]
 
 ROUND_S = 0.003  # one round: a few ms of calls, so the two synchronizations are noise
 BENCH_S = 0.2  # timed rounds per benchmark
@@ -87,13 +103,13 @@ def _calls(impl, inputs, mode):
                 with torch.no_grad():
                     return b.fn(*b.xs)
         elif mode == "bwd":
-            b = impl.bind(inputs, t.detach().requires_grad_(), g)
+            b = impl.bind(inputs, leaf(t), g)
             outs = b.fn(*b.xs)
 
             def fn(b=b, outs=outs):
                 return torch.autograd.grad(outs, b.xs, b.gs, retain_graph=True)
         else:
-            b = impl.bind(inputs, t.detach().requires_grad_(), g)
+            b = impl.bind(inputs, leaf(t), g)
 
             def fn(b=b):
                 return torch.autograd.grad(b.fn(*b.xs), b.xs, b.gs)
@@ -134,9 +150,16 @@ def test_rope(benchmark, copy_gbps, case, impl_name, mode):
     info = benchmark.extra_info
     info.update(case=case.name, shape=list(case.shape), label=case.label, dtype=case.dtype, format=case.fmt,
                 rot_dim=case.d2, interleaved=case.interleaved, impl=impl_name, mode=mode, copy_gbps=copy_gbps)
+    if case.hk:
+        info.update(k_shape=list(case.shapes[1]), k_heads=case.hk)
+    if case.inplace:
+        info.update(inplace=True, note="repeated in-place rotations of one buffer: values change, work does not")
 
     if impl_name == "clone":
-        fns = [lambda t=t: t.clone() for t in inputs.ts]
+        if case.hk:  # q and k: both cloned, two launches
+            fns = [lambda t=t: [x.clone() for x in parts(t)] for t in inputs.ts]
+        else:
+            fns = [lambda t=t: t.clone() for t in inputs.ts]
         nbytes = 2 * case.numel * case.elem_bytes
         graph_fns = lambda: fns  # noqa: E731
         safe = True

@@ -45,8 +45,15 @@ def test_smoke_run_end_to_end(tmp_path):
     assert meta["command"].startswith("python -m rope.bench --smoke")
     rows = {(r["case"], r["impl"]): r for r in results["results"]}
     assert {c for c, _ in rows} == {c.name for c in SMOKE_CASES}
+    kinds = {c.kind for c in SMOKE_CASES}
+    assert kinds == {"t", "qk", "inplace"}
     for case in SMOKE_CASES:
-        for impl in ("ours", "reference", "compile"):
+        # each kind of case gets the implementations meant for it, and no others
+        want = {"t": {"ours", "reference", "compile", "te", "flash", "liger"},
+                "qk": {"ours_qk", "ours_2x", "reference", "compile"}, "inplace": {"ours_inplace"}}[case.kind]
+        got = {i for c, i in rows if c == case.name}
+        assert got == want, (case.name, got)
+        for impl in ("ours", "ours_qk", "ours_2x", "reference", "compile"):
             if (case.name, impl) not in rows:
                 continue
             r = rows[(case.name, impl)]
@@ -58,13 +65,28 @@ def test_smoke_run_end_to_end(tmp_path):
             for d in ("fwd", "bwd"):
                 assert r[d]["us"] > 0 and r[d]["gbps"] > 0 and r[d]["frac_copy"] > 0
             assert ("host" in r) == case.small
+            if case.hk:  # both tensors checked, forward and backward; bytes of both
+                assert len(r["check"]["fwd_rel_errs"]) == len(r["check"]["bwd_rel_errs"]) == 2
+                assert r["bytes_fwd"] == case.bytes_fwd and r["k_heads"] == case.hk
+                assert (impl in ("reference", "compile")) == (r["impl_note"] == "two calls, q then k")
+        if case.inplace:
+            r = rows[(case.name, "ours_inplace")]
+            assert r["status"] == "ok", r["reason"]
+            assert r["check"]["ok"] and r["check"]["bwd_rel_err"] is None
+            assert r["fwd"]["us"] > 0 and "bwd" not in r and "repeated rotations of one buffer" in r["impl_note"]
         for impl, module in (("te", "transformer_engine"), ("flash", "flash_attn"), ("liger", "liger_kernel")):
-            if importlib.util.find_spec(module) is None:
+            if case.kind == "t" and importlib.util.find_spec(module) is None:
                 r = rows[(case.name, impl)]
                 assert r["status"] == "skipped" and "not installed" in r["reason"]
     # small cases are compared with clone, in a graph and on the host
     assert any(t["target"].startswith("small host fwd") for t in results["targets"])
+    targets = {(t["case"], t["target"]) for t in results["targets"]}
+    for d in ("fwd", "bwd"):
+        assert ("smoke_qk", f"qk {d} faster than two single calls") in targets
+        assert ("smoke_qk", f"qk {d} >= 95% of copy counting both tensors") in targets
     assert "clone host µs" in proc.stdout and "| smoke_decode" in proc.stdout
+    assert "| smoke_qk" in proc.stdout and "| smoke_inplace" in proc.stdout
+    assert "qk fwd faster than two single calls" in proc.stdout
     assert (tmp_path / "table.md").read_text().count("| smoke_") == len(rows)
     if importlib.util.find_spec("matplotlib") is not None:
         for name in ("sweep_fwd.png", "sweep_bwd.png"):
@@ -105,6 +127,22 @@ def test_case_list_and_bytes():
     decode = next(c for c in CASES if c.name == "decode")
     assert decode.shape == (1, 64, 32, 128) and decode.small
     assert all(c.large for c in CASES if c.name.startswith(("headline", "llama", "thd", "partial")))
+    # q and k: both tensors read and written, the angle rows once; k has its own head count
+    gqa = next(c for c in CASES if c.name == "qk_llama_gqa")
+    assert gqa.kind == "qk" and gqa.shapes == [(4096, 2, 32, 128), (4096, 2, 8, 128)]
+    assert gqa.bytes_fwd == 2 * 4096 * 2 * (32 + 8) * 128 * 2 + 4096 * 128 * 4 and gqa.large
+    mqa = next(c for c in CASES if c.name == "qk_mqa_decode")
+    assert mqa.shapes == [(1, 64, 32, 128), (1, 64, 1, 128)] and mqa.small and mqa.start_max
+    qthd = next(c for c in CASES if c.name == "qk_thd_short")
+    assert qthd.shapes == [(16384, 32, 128), (16384, 8, 128)] and qthd.seqlens == (8,) * 2048
+    inplace = next(c for c in CASES if c.name == "llama_inplace")
+    llama = next(c for c in CASES if c.name == "llama_sbhd")
+    assert inplace.kind == "inplace" and inplace.shape == llama.shape and inplace.bytes_fwd == llama.bytes_fwd
+    assert {"qk_llama_gqa", "llama_inplace"} <= {c.name for c in quick}
+    assert [c.name for c in CASES if "qk_headline" in c.tags] == ["qk_llama_gqa"]
+    # the single-tensor cases keep their places (a case's inputs are seeded by its index in a run)
+    assert [c.kind for c in CASES] == sorted((c.kind for c in CASES), key=lambda k: k != "t")
+    assert [c.kind for c in quick] == sorted((c.kind for c in quick), key=lambda k: k != "t")
 
 
 # ---- stand-ins for the optional peers, written from their documented semantics -----------------
@@ -280,12 +318,14 @@ def test_missing_peer_is_a_skip_with_reason(monkeypatch):
     assert impl.missing()
 
 
-def _row(case, impl, fwd_us, bwd_us, frac, small=False, large=False, host=None, clone_us=2.0, clone_host=10.0):
+def _row(case, impl, fwd_us, bwd_us, frac, small=False, large=False, host=None, clone_us=2.0, clone_host=10.0,
+         qk_headline=False):
     def t(us):
         return {"us": us, "method": "graph", "frac_copy": frac, "gbps": 1.0}
 
     r = {"case": case, "impl": impl, "status": "ok", "small": small, "large": large, "fwd": t(fwd_us),
-         "bwd": t(bwd_us), "clone": {"us": clone_us, "method": "graph", "host_us": clone_host}}
+         "bwd": t(bwd_us), "clone": {"us": clone_us, "method": "graph", "host_us": clone_host},
+         "qk_headline": qk_headline}
     if host:
         r["host"] = dict(zip(("fwd_us", "fwd_grad_us", "bwd_us"), host, strict=True))
     return r
@@ -311,3 +351,131 @@ def test_targets_bookkeeping():
     assert not got[("thd_short vs bshd_2048x8", "thd bwd <= 1.05x bshd, same tokens")]
     assert not any(case == "big2" and "reference" in target for case, target in got)
     assert "MISS" in report.targets_text(report.evaluate_targets(results))
+
+
+def test_qk_targets_bookkeeping():
+    results = {"results": [
+        _row("qk_big", "ours_qk", 40, 50, 0.96, large=True, qk_headline=True),
+        _row("qk_big", "ours_2x", 45, 50, 0.85, large=True, qk_headline=True),
+        _row("qk_big", "reference", 900, 9000, 0.01, large=True, qk_headline=True),
+        _row("qk_small", "ours_qk", 3.0, 2.0, 0.1, small=True),
+        _row("qk_small", "ours_2x", 5.0, 4.0, 0.1, small=True),
+        _row("qk_other", "ours_qk", 10, 10, 0.5),
+        dict(_row("qk_other", "ours_2x", 1, 1, 0.5), status="error"),
+    ]}
+    targets = report.evaluate_targets(results)
+    got = {(t["case"], t["target"]): t for t in targets}
+    copy_fwd = got[("qk_big", "qk fwd >= 95% of copy counting both tensors")]
+    assert copy_fwd["ok"] and copy_fwd["value"] == 0.96
+    assert got[("qk_big", "qk bwd >= 95% of copy counting both tensors")]["ok"]
+    assert got[("qk_big", "qk fwd faster than two single calls")]["ok"]
+    assert not got[("qk_big", "qk bwd faster than two single calls")]["ok"]  # equal time is not faster
+    assert got[("qk_small", "qk fwd faster than two single calls")]["value"] == pytest.approx(0.6)
+    # the copy target is for the headline qk case only; nothing is compared with a failed ours_2x
+    assert not any(case != "qk_big" and "copy" in target for case, target in got)
+    assert not any(case == "qk_other" for case, _ in got)
+    # single-tensor targets never look at the qk implementations
+    assert not any(t["target"].startswith(("large", "small")) for t in targets)
+    text = report.targets_text(targets)
+    assert "PASS  qk fwd >= 95% of copy counting both tensors" in text and "96.0%" in text
+
+
+QK_CASES = [
+    Case("q_sbhd_gqa", "sbhd", 5, 2, 4, 16, "fp32", hk=2),
+    Case("q_bshd_mqa_bf16", "bshd", 3, 2, 4, 16, "bf16", hk=1, interleaved=True),
+    Case("q_thd", "thd", 0, 1, 4, 16, "fp16", hk=2, seqlens=(3, 0, 5, 2), rot_dim=8),
+    Case("q_decode", "sbhd", 1, 3, 2, 16, "fp32", hk=1, start_max=20),
+]
+
+
+@pytest.mark.parametrize("case", QK_CASES, ids=lambda c: c.name)
+def test_qk_adapters_agree_with_float64(case):
+    """The q/k adapters: both outputs and both input gradients checked, inputs left as they were."""
+    inputs = make_inputs(case, DEVICE, n_sets=2, seed=5)
+    t, g = inputs.ts[0], inputs.gs[0]
+    assert [tuple(x.shape) for x in t] == case.shapes == [tuple(x.shape) for x in g]
+    ref = reference64(inputs, t, g)
+    before = [x.clone() for x in t]
+    # aot_eager: dynamo and AOTAutograd without a C++ toolchain on CPU, as the smoke run does
+    impls = peers.make_impls(["ours_qk", "ours_2x", "reference", "compile"], compile_backend="aot_eager")
+    for impl in impls:
+        if impl.unsupported(case):
+            assert impl.name == "compile" and case.fmt == "thd"
+            continue
+        result = check_impl(impl, inputs, t, g, ref)
+        assert result.ok, (impl.name, case.name, result.message)
+        assert len(result.fwd_errs) == len(result.bwd_errs) == 2 and result.bwd_err is not None
+    assert all(torch.equal(a, b) for a, b in zip(t, before, strict=True))
+    for impl in peers.make_impls(["ours", "ours_inplace", "te", "flash", "liger"]):
+        assert "qk" not in impl.kinds
+
+
+def test_qk_check_looks_at_k():
+    """A wrong k alone (or a wrong k gradient alone) fails the check."""
+    case = QK_CASES[0]
+    inputs = make_inputs(case, DEVICE, n_sets=1, seed=6)
+    t, g = inputs.ts[0], inputs.gs[0]
+    ref = reference64(inputs, t, g)
+    impl = peers.make_impls(["ours_2x"])[0]
+
+    class WrongK(type(impl)):
+        def bind(self, inputs, t, g=None):
+            b = super().bind(inputs, t, g)
+            fn = b.fn
+            b.fn = lambda q, k: [fn(q, k)[0], fn(q, k.flip(0))[1]]
+            return b
+
+    result = check_impl(WrongK(), inputs, t, g, ref)
+    assert not result.ok and result.fwd_errs[0] < 1e-5 < result.fwd_errs[1]
+    assert "k forward" in result.message
+
+    class WrongKGrad(type(impl)):
+        def bind(self, inputs, t, g=None):
+            b = super().bind(inputs, t, g)
+            b.gs = [b.gs[0], -b.gs[1]]
+            return b
+
+    result = check_impl(WrongKGrad(), inputs, t, g, ref)
+    assert not result.ok and result.fwd_err < 1e-5 and result.bwd_errs[0] < 1e-5 < result.bwd_errs[1]
+
+
+@pytest.mark.parametrize("case", [Case("i_sbhd", "sbhd", 5, 2, 4, 16, "bf16", inplace=True),
+                                  Case("i_thd", "thd", 0, 1, 2, 16, "fp32", inplace=True, seqlens=(3, 5))],
+                         ids=lambda c: c.name)
+def test_inplace_adapter(case):
+    """In place: checked forward only, rotates its own working copy, never the shared input set."""
+    inputs = make_inputs(case, DEVICE, n_sets=1, seed=7)
+    t, g = inputs.ts[0], inputs.gs[0]
+    ref = reference64(inputs, t, g)
+    before = t.clone()
+    impl = peers.make_impls(["ours_inplace"])[0]
+    assert impl.kinds == {"inplace"} and not impl.backward and impl.inplace
+    result = check_impl(impl, inputs, t, g, ref)
+    assert result.ok and result.bwd_err is None, result.message
+    b = impl.bind(inputs, t)
+    ptr = b.xs[0].data_ptr()
+    with torch.no_grad():
+        first = b.fn(*b.xs)[0].clone()
+        second = b.fn(*b.xs)[0]  # the same buffer rotated again: the timed calls do this
+    assert second.data_ptr() == ptr and not torch.equal(first, second)
+    assert torch.equal(t, before)
+    assert "repeated rotations of one buffer" in impl.note_for(case)
+
+
+def test_inplace_check_requires_the_inputs_memory(monkeypatch):
+    """An 'in place' implementation that returns a new tensor fails the check."""
+    case = Case("i_fake", "sbhd", 3, 2, 2, 16, "fp32", inplace=True)
+    inputs = make_inputs(case, DEVICE, n_sets=1, seed=8)
+    ref = reference64(inputs, inputs.ts[0], inputs.gs[0])
+    impl = peers.make_impls(["ours_inplace"])[0]
+    bind = impl.bind
+
+    def copying(inputs, t, g=None):
+        b = bind(inputs, t, g)
+        fn = b.fn
+        b.fn = lambda x: [fn(x.clone())[0]]
+        return b
+
+    monkeypatch.setattr(impl, "bind", copying)
+    result = check_impl(impl, inputs, inputs.ts[0], inputs.gs[0], ref)
+    assert not result.ok and "not its input's memory" in result.message

@@ -26,7 +26,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m rope.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="a subset: the headline shape, a small one, decode, the thd/bshd pair, two sweep points")
+                   help="a subset: the headline shape, a small one, decode, the thd/bshd pair, two sweep points, "
+                        "the Llama GQA q/k case and the in-place case")
     p.add_argument("--smoke", action="store_true",
                    help="tiny cases, minimal repetitions; on a CPU-only machine through Triton's interpreter")
     p.add_argument("--shapes", type=_names, metavar="NAME,...", help="run these cases (see --list)")
@@ -49,6 +50,8 @@ def _list():
     for c in CASES + SMOKE_CASES:
         flag = "q" if "quick" in c.tags else "s" if c in SMOKE_CASES else " "
         print(f"  {flag} {c.name:<22} {c.fmt} {c.dtype:<4} {c.label:<48} {c.bytes_fwd / 1e6:9.2f} MB/call")
+    print("case kinds: one tensor (ours, reference, compile, te, flash, liger); q and k (ours_qk, ours_2x, "
+          "reference and compile as two calls); in place (ours_inplace, forward only)")
     print("implementations: " + ", ".join(IMPL_NAMES))
 
 
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
             os.execve(sys.executable, [sys.executable, "-m", "rope.bench", *argv], env)
 
     from . import report
-    from .peers import make_impls
+    from .peers import OURS, make_impls
     from .runner import run
     from .shapes import select
     from .timing import SMOKE_BUDGET, Budget
@@ -116,9 +119,9 @@ def main(argv=None) -> int:
     print(report.targets_text(targets))
     print()
     print("wrote " + ", ".join(str(p) for p in written))
-    bad = [r for r in results["results"] if r["impl"] == "ours" and r["status"] in ("check_failed", "error")]
+    bad = [r for r in results["results"] if r["impl"] in OURS and r["status"] in ("check_failed", "error")]
     for r in bad:
-        print(f"rope.bench: ours {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
+        print(f"rope.bench: {r['impl']} {r['status']} on {r['case']}: {r['reason']}", file=sys.stderr)
     return 1 if bad else 0
 
 

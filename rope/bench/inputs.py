@@ -6,7 +6,8 @@ duplicated-half angles ([s, d2/2] cos/sin tables). One angle table serves all of
 implementation computes the same function on the same data.
 
 t and the gradients are N(0, 1), never zeros: zeros hide unwritten outputs and can run faster
-than real data.
+than real data. For a qk case an input set is the pair (q, k) and its gradient the pair (gq, gk);
+`parts` and `leaf` handle both forms.
 """
 from __future__ import annotations
 
@@ -26,12 +27,24 @@ class CaseInputs:
     freqs: torch.Tensor  # float32 [freqs_len, 1, 1, d2]
     cu_seqlens: torch.Tensor | None  # int32 [n + 1] (thd)
     start_positions: torch.Tensor | None  # int32 [b] (decode)
-    ts: list  # input sets, each contiguous in the case's format
-    gs: list  # one upstream gradient per set
+    ts: list  # input sets, each contiguous in the case's format: a tensor, or (q, k) for a qk case
+    gs: list  # one upstream gradient per set, in the same form
 
     @property
     def max_seqlen(self) -> int:
         return self.case.seq_len
+
+
+def parts(x) -> list:
+    """The tensors of an input set, gradient or output: [t], or [q, k]."""
+    return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+def leaf(x):
+    """The set as fresh leaves that require grad, in the same form (tensor or tuple)."""
+    if isinstance(x, (tuple, list)):
+        return tuple(p.detach().requires_grad_() for p in x)
+    return x.detach().requires_grad_()
 
 
 def sets_for(case: Case, device: torch.device, l2_bytes: int, max_sets: int = 8) -> int:
@@ -63,6 +76,10 @@ def make_inputs(case: Case, device, n_sets: int = 1, seed: int = 0) -> CaseInput
     if case.start_max:
         n = len(case.seqlens) if case.fmt == "thd" else case.b
         start = torch.randint(0, case.start_max, (n,), generator=gen, device=device, dtype=torch.int32)
-    ts = [randn(case.shape) for _ in range(n_sets)]
-    gs = [randn(case.shape) for _ in range(n_sets)]
+    if case.hk:
+        ts = [tuple(randn(shape) for shape in case.shapes) for _ in range(n_sets)]
+        gs = [tuple(randn(shape) for shape in case.shapes) for _ in range(n_sets)]
+    else:  # the draws single-tensor cases have always had
+        ts = [randn(case.shape) for _ in range(n_sets)]
+        gs = [randn(case.shape) for _ in range(n_sets)]
     return CaseInputs(case, freqs.contiguous(), cu, start, ts, gs)

@@ -9,12 +9,20 @@ region, as they would once per step in a model.
 
 Peers are imported lazily; one that is not installed is reported as skipped with the reason.
 
+Each implementation runs the kinds of case it is meant for (`kinds`); the others get no row.
+
 - ours       `rope.apply_rotary_pos_emb`, any format, float32 angles [s, 1, 1, d2].
-- reference  the pure-PyTorch `rope.reference`, eager (about 10 kernels forward, 7 backward).
+- ours_qk    `rope.apply_rotary_pos_emb_qk` on a qk case: q and k in one call (one launch each way).
+- ours_2x    the same qk case as two calls of `rope.apply_rotary_pos_emb`, q then k.
+- ours_inplace  `rope.apply_rotary_pos_emb(..., inplace=True)`, forward only under no_grad. `bind`
+             copies the set once into a working buffer, and every timed call rotates that buffer
+             again: its values change from call to call, the work does not, and no copy is timed.
+- reference  the pure-PyTorch `rope.reference`, eager (about 10 kernels forward, 7 backward); on a
+             qk case two calls, q then k.
 - compile    the same reference under `torch.compile`, default mode and default dynamic-shape
              policy (after the first shape, dynamo compiles shape-generic kernels, as a model would
              get); compilation and warm-up happen before timing. Not for thd: the reference reads
-             cu_seqlens on the host and loops over sequences in Python.
+             cu_seqlens on the host and loops over sequences in Python. On a qk case two calls.
 - te         TransformerEngine's fused kernel: its API is ours, so it gets the same arguments.
 - flash      flash-attention's Triton `apply_rotary_emb`: x as (b, s, h, d) — for sbhd the
              (0, 1)-transposed view of the same memory, no copy (it takes strides); thd as
@@ -61,6 +69,13 @@ class Impl:
     name = ""
     title = ""
     layout = ""
+    kinds = frozenset({"t"})  # Case.kind values this implementation runs
+    backward = True  # False: forward only (checked and timed under no_grad)
+    inplace = False  # the outputs are the inputs' memory (the check verifies it)
+
+    def note_for(self, case) -> str:
+        """What the table's note column must say about this implementation on `case`."""
+        return ""
 
     def missing(self) -> str | None:
         """Why this implementation cannot run at all here (not installed), or None."""
@@ -88,6 +103,8 @@ class _TEStyle(Impl):
     def bind(self, inputs, t, g=None):
         call = self._call(inputs)
         safe = self.graph_safe_thd or inputs.case.fmt != "thd"
+        if inputs.case.hk:  # q and k: two calls with the same arguments
+            return Bound(list(t), lambda q, k: [call(q), call(k)], None if g is None else list(g), list, list, safe)
         return Bound([t], lambda x: [call(x)], None if g is None else [g], _first, _first, safe)
 
 
@@ -106,6 +123,57 @@ class Ours(_TEStyle):
         return _nan_outputs()
 
 
+class OursTwice(Ours):
+    name, title = "ours_2x", "rope (Triton), two calls"
+    layout = "q and k as given, one apply_rotary_pos_emb call each"
+    kinds = frozenset({"qk"})
+
+
+class OursQK(Impl):
+    name, title = "ours_qk", "rope (Triton), q and k in one call"
+    layout = "q and k as given, one apply_rotary_pos_emb_qk call"
+    kinds = frozenset({"qk"})
+
+    def bind(self, inputs, t, g=None):
+        from .. import apply_rotary_pos_emb_qk
+
+        c = inputs.case
+        freqs, start, cu = inputs.freqs, inputs.start_positions, inputs.cu_seqlens
+
+        def fn(q, k):
+            return list(apply_rotary_pos_emb_qk(q, k, freqs, c.fmt, start, c.interleaved, cu_seqlens=cu))
+
+        return Bound(list(t), fn, None if g is None else list(g), list, list)
+
+    def poison(self):
+        return _nan_outputs()
+
+
+class OursInplace(Impl):
+    name, title = "ours_inplace", "rope (Triton), in place"
+    layout = "the case as given, rotated in its own memory (a working copy of the input set)"
+    kinds = frozenset({"inplace"})
+    backward = False
+    inplace = True
+
+    def note_for(self, case):
+        return "in place, forward only: repeated rotations of one buffer (values change, work does not)"
+
+    def bind(self, inputs, t, g=None):
+        from .. import apply_rotary_pos_emb
+
+        c = inputs.case
+        freqs, start, cu = inputs.freqs, inputs.start_positions, inputs.cu_seqlens
+        # Copied once here, outside any timed region: the shared input set stays as it is, and the
+        # timed calls rotate this buffer again and again.
+        work = t.detach().clone()
+
+        def fn(x):
+            return [apply_rotary_pos_emb(x, freqs, c.fmt, start, c.interleaved, cu_seqlens=cu, inplace=True)]
+
+        return Bound([work], fn, None, _first, _first)
+
+
 @contextlib.contextmanager
 def _nan_outputs():
     # The launcher allocates outputs through this hook; NaN-filled outputs prove every element
@@ -122,8 +190,12 @@ def _nan_outputs():
 
 class Reference(_TEStyle):
     name, title = "reference", "PyTorch reference, eager"
-    layout = "the case as given"
+    layout = "the case as given; q and k: two calls"
+    kinds = frozenset({"t", "qk"})
     graph_safe_thd = False  # reads cu_seqlens on the host: cannot be captured
+
+    def note_for(self, case):
+        return "two calls, q then k" if case.hk else ""
 
     def _call(self, inputs):
         c = inputs.case
@@ -134,7 +206,11 @@ class Reference(_TEStyle):
 
 class Compiled(_TEStyle):
     name, title = "compile", "PyTorch reference, torch.compile"
-    layout = "the case as given; compiled once per shape signature, warm-up excluded"
+    layout = "the case as given; compiled once per shape signature, warm-up excluded; q and k: two calls"
+    kinds = frozenset({"t", "qk"})
+
+    def note_for(self, case):
+        return "two calls, q then k" if case.hk else ""
 
     def __init__(self, backend="inductor"):
         self.backend = backend
@@ -353,7 +429,9 @@ class Liger(Impl):
         )
 
 
-IMPL_NAMES = ("ours", "reference", "compile", "te", "flash", "liger")
+IMPL_NAMES = ("ours", "ours_qk", "ours_2x", "ours_inplace", "reference", "compile", "te", "flash", "liger")
+# Ours: a failed check or an error in one of these makes the CLI exit non-zero.
+OURS = ("ours", "ours_qk", "ours_2x", "ours_inplace")
 
 
 def make_impls(names=None, compile_backend="inductor") -> list:
@@ -362,7 +440,8 @@ def make_impls(names=None, compile_backend="inductor") -> list:
     if unknown:
         raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(IMPL_NAMES)}")
     makers = {
-        "ours": Ours, "reference": Reference, "compile": lambda: Compiled(compile_backend),
+        "ours": Ours, "ours_qk": OursQK, "ours_2x": OursTwice, "ours_inplace": OursInplace,
+        "reference": Reference, "compile": lambda: Compiled(compile_backend),
         "te": TransformerEngine, "flash": FlashAttention, "liger": Liger,
     }
     return [makers[n]() for n in names]

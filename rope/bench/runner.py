@@ -2,7 +2,8 @@
 
 All implementations of a case see the same input sets, the same angles and the same copy
 bandwidth, measured once at the start of the same run, so their ratios are taken under the same
-conditions.
+conditions. A case runs the implementations meant for its kind (one tensor, q and k, in place);
+a forward-only implementation (in place) gets no backward timing.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import traceback
 import torch
 
 from .checks import check_impl, reference64
-from .inputs import make_inputs, sets_for
+from .inputs import leaf, make_inputs, parts, sets_for
 from .machine import machine_info
 from .progress import Progress
 from .shapes import Case
@@ -26,6 +27,7 @@ def case_dict(case: Case) -> dict:
         "seq_len": case.seq_len, "tokens": case.tokens, "n_seqs": len(case.seqlens) or None,
         "start_positions": bool(case.start_max), "bytes_fwd": case.bytes_fwd, "bytes_bwd": case.bytes_bwd,
         "small": case.small, "large": case.large, "sweep": "sweep" in case.tags, "note": case.note,
+        "kind": case.kind, "k_heads": case.hk or None, "qk_headline": "qk_headline" in case.tags,
     }
 
 
@@ -51,7 +53,7 @@ def _backward_calls(impl, inputs):
     def build():
         fns = []
         for t, g in zip(inputs.ts, inputs.gs, strict=True):
-            b = impl.bind(inputs, t.detach().requires_grad_(), g)
+            b = impl.bind(inputs, leaf(t), g)
             outs = b.fn(*b.xs)  # recorded once; each timed call replays only the backward
             fns.append(lambda b=b, outs=outs: torch.autograd.grad(outs, b.xs, b.gs, retain_graph=True))
         return fns
@@ -64,7 +66,9 @@ def host_costs(impl, inputs, device, budget: Budget) -> dict:
     t, g = inputs.ts[0], inputs.gs[0]
     b0 = impl.bind(inputs, t)
     fwd = host_time(lambda: b0.fn(*b0.xs), device, budget, no_grad=True)
-    b1 = impl.bind(inputs, t.detach().requires_grad_(), g)
+    if not impl.backward:
+        return {"fwd_us": fwd.us, "fwd_grad_us": None, "bwd_us": None, "calls": fwd.calls}
+    b1 = impl.bind(inputs, leaf(t), g)
     fwd_grad = host_time(lambda: b1.fn(*b1.xs), device, budget)
     outs = b1.fn(*b1.xs)
     bwd = host_time(lambda: torch.autograd.grad(outs, b1.xs, b1.gs, retain_graph=True), device, budget)
@@ -78,7 +82,8 @@ def _one_line(exc) -> str:
 
 def run_impl(impl, inputs, ref, device, budget: Budget, copy_gbps: float, log) -> dict:
     case = inputs.case
-    row = {"impl": impl.name, "title": impl.title, "layout": impl.layout, "status": "ok", "reason": ""}
+    row = {"impl": impl.name, "title": impl.title, "layout": impl.layout, "status": "ok", "reason": "",
+           "impl_note": impl.note_for(case)}
     why = impl.missing() or impl.unsupported(case)
     if why:
         row.update(status="skipped", reason=why)
@@ -93,8 +98,9 @@ def run_impl(impl, inputs, ref, device, budget: Budget, copy_gbps: float, log) -
         safe = impl.bind(inputs, inputs.ts[0]).graph_safe
         fwd = gpu_time(_forward_calls(impl, inputs), device, budget, no_grad=True, graph=safe)
         row["fwd"] = timing_dict(fwd, case.bytes_fwd, copy_gbps)
-        bwd = gpu_time(_backward_calls(impl, inputs), device, budget, graph=safe)
-        row["bwd"] = timing_dict(bwd, case.bytes_bwd, copy_gbps)
+        if impl.backward:
+            bwd = gpu_time(_backward_calls(impl, inputs), device, budget, graph=safe)
+            row["bwd"] = timing_dict(bwd, case.bytes_bwd, copy_gbps)
         if case.small:
             row["host"] = host_costs(impl, inputs, device, budget)
     except Exception as exc:  # one broken implementation must not end the run
@@ -111,7 +117,8 @@ def run(cases, impls, device, budget: Budget | None = None, seed: int = 0, show_
     device = torch.device(device)
     budget = budget or Budget()
     meta = machine_info(device)
-    progress = Progress(1 + len(cases) * (1 + len(impls)), enabled=show_progress)
+    per_case = [[impl for impl in impls if case.kind in impl.kinds] for case in cases]
+    progress = Progress(1 + sum(1 + len(p) for p in per_case if p), enabled=show_progress)
     progress.step("copy bandwidth")
     copy_gbps, copy_t = copy_bandwidth(device, budget)
     progress.done()
@@ -119,19 +126,26 @@ def run(cases, impls, device, budget: Budget | None = None, seed: int = 0, show_
     l2 = l2_bytes(device)
     rows = []
     t_start = time.perf_counter()
-    for i, case in enumerate(cases):
+    for i, (case, case_impls) in enumerate(zip(cases, per_case, strict=True)):
+        if not case_impls:  # none of the selected implementations runs this kind of case
+            continue
         progress.step(f"{case.name}: inputs and float64 reference")
         inputs = make_inputs(case, device, sets_for(case, device, l2), seed=seed + i)
         ref = reference64(inputs, inputs.ts[0], inputs.gs[0])
-        clone = gpu_time(lambda ts=inputs.ts: [lambda t=t: t.clone() for t in ts], device, budget, no_grad=True)
+        if case.hk:  # the floor for q and k: clone both (two launches)
+            clone = gpu_time(lambda ts=inputs.ts: [lambda t=t: [x.clone() for x in parts(t)] for t in ts], device,
+                             budget, no_grad=True)
+        else:
+            clone = gpu_time(lambda ts=inputs.ts: [lambda t=t: t.clone() for t in ts], device, budget, no_grad=True)
         base = case_dict(case)
         base["n_sets"] = len(inputs.ts)
         base["clone"] = timing_dict(clone, 2 * case.numel * case.elem_bytes, copy_gbps)
         if case.small:
             t = inputs.ts[0]
-            base["clone"]["host_us"] = host_time(lambda t=t: t.clone(), device, budget, no_grad=True).us
+            one = (lambda t=t: [x.clone() for x in t]) if case.hk else (lambda t=t: t.clone())
+            base["clone"]["host_us"] = host_time(one, device, budget, no_grad=True).us
         progress.done()
-        for impl in impls:
+        for impl in case_impls:
             progress.step(f"{case.name}: {impl.name}")
             row = dict(base)
             row.update(run_impl(impl, inputs, ref, device, budget, copy_gbps, progress.write))

@@ -5,6 +5,10 @@ byte count is the problem's, not the implementation's: t (all d channels) read o
 once, plus the rows of float32 angles the case uses. So GB/s is comparable across
 implementations, and an implementation that reads extra tables (cos and sin in the input dtype)
 or copies the pass-through channels separately pays for it in time, not in the count.
+
+Three kinds of case: "t" (one tensor, TransformerEngine's call), "qk" (q and k rotated with the
+same angles, k with its own head count: both tensors read and written, the angle rows once, as
+one launch needs them) and "inplace" (t rotated in its own memory, forward only).
 """
 from __future__ import annotations
 
@@ -31,8 +35,11 @@ class Case:
     interleaved: bool = False
     seqlens: tuple = ()  # thd only
     start_max: int = 0  # > 0: per-sequence start positions drawn from [0, start_max) (decode)
+    hk: int = 0  # > 0: a qk case, k with hk heads (q has h)
+    inplace: bool = False  # an in-place case: forward only
     # small: launch-bound, compared with clone in a graph and by host cost per eager call;
-    # sweep: a point of the sequence-length plots; quick: part of --quick; smoke: CPU smoke test.
+    # sweep: a point of the sequence-length plots; quick: part of --quick; smoke: CPU smoke test;
+    # qk_headline: the large qk case, held to the copy target and in the pytest-benchmark suite.
     tags: frozenset = field(default_factory=frozenset)
     note: str = ""
 
@@ -49,19 +56,36 @@ class Case:
         return sum(self.seqlens) if self.fmt == "thd" else self.s * self.b
 
     @property
-    def shape(self) -> tuple:
+    def kind(self) -> str:
+        return "qk" if self.hk else "inplace" if self.inplace else "t"
+
+    def _shape(self, h) -> tuple:
         if self.fmt == "sbhd":
-            return (self.s, self.b, self.h, self.d)
+            return (self.s, self.b, h, self.d)
         if self.fmt == "bshd":
-            return (self.b, self.s, self.h, self.d)
-        return (self.tokens, self.h, self.d)
+            return (self.b, self.s, h, self.d)
+        return (self.tokens, h, self.d)
+
+    @property
+    def shape(self) -> tuple:
+        """t's shape (q's for a qk case)."""
+        return self._shape(self.h)
+
+    @property
+    def shapes(self) -> list:
+        """Every tensor the case rotates: [t], or [q, k]."""
+        return [self.shape, self._shape(self.hk)] if self.hk else [self.shape]
 
     @property
     def numel(self) -> int:
-        n = 1
-        for v in self.shape:
-            n *= v
-        return n
+        """Elements of every tensor the case rotates (q and k together for a qk case)."""
+        total = 0
+        for shape in self.shapes:
+            n = 1
+            for v in shape:
+                n *= v
+            total += n
+        return total
 
     @property
     def seq_len(self) -> int:
@@ -85,7 +109,10 @@ class Case:
 
     @property
     def bytes_fwd(self) -> int:
-        """t read + out written (all d channels, so the copied tail counts) + the angles read."""
+        """t read + out written (all d channels, so the copied tail counts) + the angles read.
+
+        qk: q and k read and written, the angle rows once (one launch reads them for both).
+        """
         return 2 * self.numel * self.elem_bytes + self.freqs_rows_used * self.d2 * 4
 
     @property
@@ -109,12 +136,16 @@ class Case:
             lens = sorted(set(self.seqlens))
             dims += f" ({n} seqs of {lens[0]})" if len(lens) == 1 else f" ({n} seqs, {min(lens)}..{max(lens)})"
         extra = []
+        if self.hk:
+            extra.append(f"q {self.h} / k {self.hk} head{'s' if self.hk > 1 else ''}")
         if self.d2 != self.d:
             extra.append(f"rot {self.d2}/{self.d}")
         if self.interleaved:
             extra.append("interleaved")
         if self.start_max:
             extra.append("start_positions")
+        if self.inplace:
+            extra.append("in place")
         return dims + (" " + ", ".join(extra) if extra else "")
 
 
@@ -149,6 +180,16 @@ CASES = [
     Case("sweep_s256", "sbhd", 256, **_LLAMA, dtype="bf16", tags=_t("sweep")),
     Case("sweep_s1024", "sbhd", 1024, **_LLAMA, dtype="bf16", tags=_t("sweep", "quick")),
     Case("sweep_s16384", "sbhd", 16384, **_LLAMA, dtype="bf16", tags=_t("sweep")),
+    # Appended after the single-tensor cases: a case's inputs are seeded by its place in the run,
+    # so the cases above keep the inputs (and numbers) they had.
+    Case("qk_llama_gqa", "sbhd", 4096, **_LLAMA, dtype="bf16", hk=8, tags=_t("quick", "qk_headline"),
+         note="Llama-like GQA: q 32 heads, k 8 heads of 128, one call vs two"),
+    Case("qk_mqa_decode", "sbhd", 1, 64, 32, 128, "bf16", hk=1, start_max=4096, tags=_t("small"),
+         note="MQA decode: one new token per sequence, k 1 head"),
+    Case("qk_thd_short", "thd", 0, 1, 32, 128, "bf16", hk=8, seqlens=(8,) * 2048,
+         note="2048 packed sequences of 8 tokens, q 32 / k 8 heads"),
+    Case("llama_inplace", "sbhd", 4096, **_LLAMA, dtype="bf16", inplace=True, tags=_t("quick"),
+         note="llama_sbhd rotated in place, forward only under no_grad"),
 ]
 
 # Tiny cases for the CPU smoke run (Triton's interpreter): every code path, little work.
@@ -157,6 +198,8 @@ SMOKE_CASES = [
     Case("smoke_bshd_partial", "bshd", 4, 2, 2, 32, "bf16", rot_dim=16),
     Case("smoke_thd_interleaved", "thd", 0, 1, 2, 16, "fp16", interleaved=True, seqlens=(3, 5, 0, 4)),
     Case("smoke_decode", "sbhd", 1, 4, 2, 16, "fp32", start_max=32, tags=_t("small")),
+    Case("smoke_qk", "sbhd", 1, 4, 4, 16, "bf16", hk=1, start_max=32, tags=_t("small", "qk_headline")),
+    Case("smoke_inplace", "bshd", 4, 2, 2, 16, "fp16", inplace=True),
 ]
 
 # Pairs whose costs the issue compares: (packed thd, bshd with the same tokens).
