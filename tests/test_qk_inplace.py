@@ -181,3 +181,16 @@ def test_inplace_rejects_overlapping_and_leaf():
         rope.apply_rotary_pos_emb(leaf, freqs, inplace=True)
     before = expanded.clone()
     assert torch.equal(expanded, before)
+
+
+def test_inplace_qk_disjoint_views_of_one_buffer_and_aliasing():
+    """q and k sliced out of one fused buffer rotate in place correctly; the same tensor twice is refused."""
+    gen = torch.Generator().manual_seed(8)
+    qkv = make_t("sbhd", S, B, 6, D, torch.float32, gen)
+    q, k = qkv[:, :, :4], qkv[:, :, 4:]  # 4 q heads, 2 k heads, interleaved in memory per token
+    freqs = make_freqs(16, D, gen)
+    want_q, want_k = rope.apply_rotary_pos_emb(q, freqs), rope.apply_rotary_pos_emb(k, freqs)
+    rope.apply_rotary_pos_emb_qk(q, k, freqs, inplace=True)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    with pytest.raises(ValueError, match=r"\bk\b.*same element"):
+        rope.apply_rotary_pos_emb_qk(q, q, freqs, inplace=True)
