@@ -103,6 +103,15 @@ def _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank
 
 
 @triton.jit
+def _pair_columns(ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Channel a of each rotated pair, its partner b = pi(a), and which of the BLOCK_HALF lanes are pairs."""
+    k = tl.arange(0, BLOCK_HALF)
+    if INTERLEAVED:
+        return k < ROT_DIM // 2, 2 * k, 2 * k + 1
+    return k < ROT_DIM // 2, k, k + ROT_DIM // 2
+
+
+@triton.jit
 def _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd,
             ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
             BLOCK_HALF: tl.constexpr, PIN: tl.constexpr):
@@ -113,14 +122,7 @@ def _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd,
     # Only reachable when value checks were skipped (graph capture, or switched off): never read
     # past freqs; the rotated channels of such a token become NaN instead.
     pos_ok = (pos >= 0) & (pos < freqs_len)
-    k = tl.arange(0, BLOCK_HALF)
-    k_ok = k < ROT_DIM // 2
-    if INTERLEAVED:
-        col_a = 2 * k
-        col_b = 2 * k + 1
-    else:
-        col_a = k
-        col_b = k + ROT_DIM // 2
+    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
     f_row = freqs_ptr + tl.where(pos_ok, pos, 0) * stride_fs
     fa = tl.load(f_row + col_a * stride_fd, mask=k_ok, other=0.0)
     fb = tl.load(f_row + col_b * stride_fd, mask=k_ok, other=0.0)
@@ -146,14 +148,7 @@ def _rotate_rows(x_ptr, out_ptr, x_base, o_base, r_begin, r_end, n_heads,
                  GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr, INPLACE: tl.constexpr):
     """Rotate rows [r_begin, r_end) of one group with the group's cos/sin factors."""
-    k = tl.arange(0, BLOCK_HALF)
-    k_ok = k < ROT_DIM // 2
-    if INTERLEAVED:
-        col_a = 2 * k
-        col_b = 2 * k + 1
-    else:
-        col_a = k
-        col_b = k + ROT_DIM // 2
+    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
     r = tl.arange(0, BLOCK_R)
     out_ty = out_ptr.dtype.element_ty
     for r0 in range(r_begin, r_end, BLOCK_R):
