@@ -270,17 +270,11 @@ def _import_attr(candidates):
     return None, "cannot import " + "; ".join(errors)
 
 
-class TransformerEngine(_TEStyle):
-    name, title = "te", "TransformerEngine fused"
-    layout = "the case as given (same API); int32 cu_seqlens"
-    _CANDIDATES = (
-        "transformer_engine.pytorch.attention.rope:apply_rotary_pos_emb",
-        "transformer_engine.pytorch.attention:apply_rotary_pos_emb",
-        "transformer_engine.pytorch.dot_product_attention.rope:apply_rotary_pos_emb",
-    )
+class _Optional:
+    """A peer imported lazily from the first of `_CANDIDATES` ("module:attr") that imports."""
 
-    def __init__(self):
-        self._fn, self._why = None, None
+    _CANDIDATES: tuple = ()
+    _fn = _why = None
 
     def _load(self):
         if self._fn is None and self._why is None:
@@ -290,6 +284,16 @@ class TransformerEngine(_TEStyle):
     def missing(self):
         self._load()
         return self._why
+
+
+class TransformerEngine(_Optional, _TEStyle):
+    name, title = "te", "TransformerEngine fused"
+    layout = "the case as given (same API); int32 cu_seqlens"
+    _CANDIDATES = (
+        "transformer_engine.pytorch.attention.rope:apply_rotary_pos_emb",
+        "transformer_engine.pytorch.attention:apply_rotary_pos_emb",
+        "transformer_engine.pytorch.dot_product_attention.rope:apply_rotary_pos_emb",
+    )
 
     def _params(self):
         try:
@@ -324,22 +328,12 @@ def _half_angles(inputs: CaseInputs):
     return f[:, 0::2] if inputs.case.interleaved else f[:, : inputs.case.d2 // 2]
 
 
-class FlashAttention(Impl):
+class FlashAttention(_Optional, Impl):
     name, title = "flash", "flash-attention Triton rotary"
     layout = ("x as (b, s, h, d): sbhd passed as its (0, 1)-transposed view (no copy), thd as (total, h, d) "
               "with cu_seqlens/max_seqlen; cos/sin [s, d2/2] in x's dtype")
 
-    def __init__(self):
-        self._fn, self._why = None, None
-
-    def _load(self):
-        if self._fn is None and self._why is None:
-            self._fn, self._why = _import_attr(("flash_attn.layers.rotary:apply_rotary_emb",))
-        return self._fn
-
-    def missing(self):
-        self._load()
-        return self._why
+    _CANDIDATES = ("flash_attn.layers.rotary:apply_rotary_emb",)
 
     def unsupported(self, case):
         if case.d > 256:
@@ -369,22 +363,12 @@ class FlashAttention(Impl):
         )
 
 
-class Liger(Impl):
+class Liger(_Optional, Impl):
     name, title = "liger", "Liger-Kernel Triton rope"
     layout = ("q, k = the heads split in two halves, each contiguous [b, s, h/2, d] viewed as [b, h/2, s, d]; "
               "sbhd runs as bshd; cos/sin [1, s, d] in x's dtype; in place")
 
-    def __init__(self):
-        self._fn, self._why = None, None
-
-    def _load(self):
-        if self._fn is None and self._why is None:
-            self._fn, self._why = _import_attr(("liger_kernel.transformers.rope:liger_rotary_pos_emb",))
-        return self._fn
-
-    def missing(self):
-        self._load()
-        return self._why
+    _CANDIDATES = ("liger_kernel.transformers.rope:liger_rotary_pos_emb",)
 
     def unsupported(self, case):
         if case.fmt == "thd":

@@ -164,34 +164,25 @@ def _graph_time(fns, stream, calls, budget):
     try:
         with torch.cuda.stream(stream):
             g.replay()  # the first replay uploads the graph
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-        b.synchronize()
-        one = max(a.elapsed_time(b) * 1000.0, 1e-3)
-        reps = int(_clamp(budget.target_ms * 1000.0 / one, budget.min_reps, budget.max_reps))
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        with torch.cuda.stream(stream):
-            _spin()
-            for s, e in zip(starts, ends, strict=True):
-                s.record()
-                g.replay()
-                e.record()
-        stream.synchronize()
-        per_call = [s.elapsed_time(e) * 1000.0 / calls for s, e in zip(starts, ends, strict=True)]
-        return _summary(per_call, "graph", calls)
+        return _repeat_timed(g.replay, stream, calls, budget, "graph", spin=True)
     finally:
         del g
 
 
 def _event_time(fns, stream, calls, budget, note):
+    def run():
+        for i in range(calls):
+            fns[i % len(fns)]()
+
+    return _repeat_timed(run, stream, calls, budget, "events", spin=False, note=note)
+
+
+def _repeat_timed(run, stream, calls, budget, method, spin, note=""):
+    """Time `run` (which makes `calls` calls) between events, repeated to fill the time budget."""
     with torch.cuda.stream(stream):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for i in range(calls):
-            fns[i % len(fns)]()
+        run()
         b.record()
     b.synchronize()
     one = max(a.elapsed_time(b) * 1000.0, 1e-3)
@@ -199,14 +190,15 @@ def _event_time(fns, stream, calls, budget, note):
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     with torch.cuda.stream(stream):
+        if spin:
+            _spin()
         for s, e in zip(starts, ends, strict=True):
             s.record()
-            for i in range(calls):
-                fns[i % len(fns)]()
+            run()
             e.record()
     stream.synchronize()
     per_call = [s.elapsed_time(e) * 1000.0 / calls for s, e in zip(starts, ends, strict=True)]
-    return _summary(per_call, "events", calls, note)
+    return _summary(per_call, method, calls, note)
 
 
 def _host_clock_time(fns, budget):
