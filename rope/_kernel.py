@@ -1,4 +1,8 @@
-"""The one Triton kernel: forward and backward (adjoint) RoPE for every format and mode.
+"""The Triton kernels: forward and backward (adjoint) RoPE for every format and mode.
+
+`rope_kernel` rotates one tensor; `rope_qk_kernel` rotates q and k of a layer in one launch. Both
+are the same helpers (position, angles, row loop), so they differ only in their arguments: Triton
+has no optional arguments, and the single-tensor launch should not pay for k's.
 
 Work decomposition. Tokens that share a position share their angles, so a program owns one
 *group* of rows with a common position and loops over them: the angles are loaded and their
@@ -22,6 +26,8 @@ Adjoint. With sa = sin f[a], sb = sin f[b]:
   backward  out_a = ga cos fa + gb sb        out_b = gb cos fb - ga sa
 i.e. the backward is the forward with (sa, sb) replaced by (-sb, -sa): each element takes its
 partner's sine. It equals a rotation by -theta only when fa == fb, which the contract never assumes.
+
+In place (INPLACE), out is x itself: a barrier separates each chunk's loads from its stores.
 """
 import triton
 import triton.language as tl
