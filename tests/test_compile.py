@@ -17,7 +17,9 @@ from .cases import DEVICE, ON_GPU, make_freqs, make_t
 pytestmark = pytest.mark.ours_only
 
 
-def _inputs(tensor_format, s, b, seed=0, dtype=torch.float32, h=3, d=16):
+# h and d differ from every s, b, s*b and b+1 the recompile test draws: Dynamo's duck sizing guards
+# on equal sizes (d == s*b, say), which would recompile for reasons that have nothing to do with rope.
+def _inputs(tensor_format, s, b, seed=0, dtype=torch.float32, h=7, d=40):
     gen = torch.Generator().manual_seed(seed)
     t = make_t(tensor_format, s * (b if tensor_format == "thd" else 1), b, h, d, dtype, gen)
     return t, make_freqs(64, d, gen)
@@ -85,14 +87,21 @@ def test_compiled_errors_on_bad_input():
         compiled(t, freqs[:4])  # positions reach 7, freqs has 4 rows
 
 
+def _exact_layer(x, freqs):
+    # Inductor fuses elementwise ops and rounds once where eager rounds after each op, so around a
+    # nonlinearity (tanh' = 1 - y^2 cancels near |y| = 1) compiled and eager bf16 legitimately differ
+    # by many ulps. Scaling by powers of two rounds exactly in both, so any difference is the op's.
+    return rope.apply_rotary_pos_emb(x * 2.0, freqs) * 0.5
+
+
 @pytest.mark.skipif(not ON_GPU, reason="inductor on the CPU compiles C++ for minutes; checked on the GPU")
 def test_inductor_fullgraph():
-    compiled = torch.compile(_layer, fullgraph=True, dynamic=True)
+    compiled = torch.compile(_exact_layer, fullgraph=True, dynamic=True)
     t, freqs = _inputs("sbhd", 64, 4, dtype=torch.bfloat16, h=8, d=128)
     x1, x2 = t.clone().requires_grad_(), t.clone().requires_grad_()
-    y1, y2 = compiled(x1, freqs), _layer(x2, freqs)
-    g = torch.randn_like(y1)
+    y1, y2 = compiled(x1, freqs), _exact_layer(x2, freqs)
+    g = torch.randn(y1.shape, generator=torch.Generator().manual_seed(1)).to(y1)
     y1.backward(g)
     y2.backward(g)
-    torch.testing.assert_close(y1, y2)
-    torch.testing.assert_close(x1.grad, x2.grad)
+    assert torch.equal(y1, y2)
+    assert torch.equal(x1.grad, x2.grad)
