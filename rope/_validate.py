@@ -8,6 +8,7 @@ allowed. The kernel never reads `freqs` out of range even then (it writes NaN fo
 """
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -171,12 +172,48 @@ def skip_value_checks() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+# Index tensors whose values passed, by identity and version: every layer of a step (and q and k)
+# passes the same `cu_seqlens`/`start_positions`, and only the first call needs the device-to-host
+# copy. PyTorch bumps `_version` on every in-place write it performs, so a change it sees is
+# checked again; a write it does not see (through `.data`, DLPack, a custom kernel) is not, and
+# the kernel's range guard (NaN, never an out-of-bounds read) is what remains. Inference tensors
+# have no version counter and are checked on every call.
+_PASSED: dict = {}
+_PASSED_MAX = 64
+
+
+def _stamp(x):
+    if x is None:
+        return None
+    if x.is_inference():
+        return False
+    return weakref.ref(x), x._version
+
+
+def _still(stamp, x) -> bool:
+    return stamp is None if x is None else (stamp is not False and stamp[0]() is x and stamp[1] == x._version)
+
+
 def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
-    """Checks on the values of `cu_seqlens` and `start_positions` (one device-to-host copy)."""
+    """Checks on the values of `cu_seqlens` and `start_positions` (one device-to-host copy, then
+    none while the same tensors are passed again unmodified)."""
     if cu_seqlens is None and start_positions is None:
         return
     if skip_value_checks():
         return
+    key = (id(start_positions), id(cu_seqlens), layout, tensor_format, cp_size, cp_rank)
+    seen = _PASSED.get(key)
+    if seen is not None and _still(seen[0], start_positions) and _still(seen[1], cu_seqlens):
+        return
+    _check_position_values(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    stamps = (_stamp(start_positions), _stamp(cu_seqlens))
+    if False not in stamps:
+        if len(_PASSED) >= _PASSED_MAX:
+            _PASSED.clear()
+        _PASSED[key] = stamps
+
+
+def _check_position_values(layout: Layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
     s, s2 = layout.s, layout.freqs_len
     if tensor_format == "thd":
         cu = cu_seqlens.to(torch.int64)

@@ -74,15 +74,15 @@ def _pointers(freqs32, start_positions, cu_seqlens):
 
 
 def _rotate(call, x, freqs32, start_positions, cu_seqlens, backward, inplace=False):
-    out = x if inplace else _launch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = x if inplace else _launch.empty(x)
     if out.numel():
         run(call.plan(x, freqs32, backward, inplace), (x, out, *_pointers(freqs32, start_positions, cu_seqlens)))
     return out
 
 
 def _rotate_qk(call, q, k, freqs32, start_positions, cu_seqlens, backward, inplace=False):
-    qo = q if inplace else _launch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = k if inplace else _launch.empty(k.shape, dtype=k.dtype, device=k.device)
+    qo = q if inplace else _launch.empty(q)
+    ko = k if inplace else _launch.empty(k)
     if qo.numel() or ko.numel():
         plan = call.qk_plan(q, k, k.shape[-2], freqs32, backward, inplace)
         run(plan, (q, qo, k, ko, *_pointers(freqs32, start_positions, cu_seqlens)))

@@ -52,8 +52,8 @@ def run_both(t, freqs, g, **kw):
 def poison_outputs(monkeypatch):
     """Every tensor the launcher allocates starts as NaN: an unwritten element cannot pass."""
 
-    def nan_empty(*args, **kwargs):
-        return torch.full(*args, float("nan"), **kwargs)
+    def nan_empty(x):
+        return torch.full_like(x, float("nan"), memory_format=torch.contiguous_format)
 
     monkeypatch.setattr(rope._launch, "empty", nan_empty)
 

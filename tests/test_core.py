@@ -234,3 +234,31 @@ def test_value_checks_off_never_reads_past_freqs():
     assert torch.equal(out[:, 1, :, 4:], t[:, 1, :, 4:])
     ok = reference.apply_rotary_pos_emb(t[:, :1], freqs)
     torch.testing.assert_close(out[:, :1], ok)
+
+
+def test_value_checks_run_once_per_unmodified_index_tensor(monkeypatch):
+    """The device-to-host check runs again exactly when the values may have changed."""
+    import rope._validate as validate
+
+    calls = []
+    real = validate._check_position_values
+    monkeypatch.setattr(validate, "_check_position_values", lambda *a: (calls.append(1), real(*a)))
+    gen = torch.Generator().manual_seed(5)
+    t = make_t("sbhd", 3, 2, 2, 8, torch.float32, gen)
+    freqs = make_freqs(8, 8, gen)
+    start = torch.tensor([0, 4], device=DEVICE)
+    for _ in range(3):  # every layer of a step passes the same tensor
+        rope.apply_rotary_pos_emb(t, freqs, start_positions=start)
+    assert len(calls) == 1
+    start[1] = 6  # PyTorch sees the write (version bump): checked again, and now too far
+    with pytest.raises(ValueError, match="freqs"):
+        rope.apply_rotary_pos_emb(t, freqs, start_positions=start)
+    assert len(calls) == 2
+    start[1] = 5
+    rope.apply_rotary_pos_emb(t, freqs, start_positions=start.clone())  # another tensor: checked
+    assert len(calls) == 3
+    with torch.inference_mode():  # no version counter: checked on every call
+        frozen = start.clone()
+        for _ in range(2):
+            rope.apply_rotary_pos_emb(t, freqs, start_positions=frozen)
+    assert len(calls) == 5

@@ -181,7 +181,7 @@ def _nan_outputs():
     from .. import _launch
 
     saved = _launch.empty
-    _launch.empty = lambda *a, **k: torch.full(*a, float("nan"), **k)
+    _launch.empty = lambda x: torch.full_like(x, float("nan"), memory_format=torch.contiguous_format)
     try:
         yield
     finally:

@@ -62,7 +62,7 @@ VARIANTS = [
     ("half-split bf16 d128", dict()),
     ("interleaved bf16 d128", dict(interleaved=True, block_r=16)),
     ("half-split fp32 d256", dict(dtype="fp32", d=256, d2=256, num_warps=8)),
-    ("partial 64/128 bf16", dict(d2=64, num_warps=1)),
+    ("partial 64/128 bf16", dict(d2=64, num_warps=2)),
     ("thd + start_positions", dict(thd=True, start=True)),
     ("in place, cp", dict(inplace=True, cp=True)),
 ]

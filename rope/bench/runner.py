@@ -144,6 +144,13 @@ def run(cases, impls, device, budget: Budget | None = None, seed: int = 0, show_
             t = inputs.ts[0]
             one = (lambda t=t: [x.clone() for x in t]) if case.hk else (lambda t=t: t.clone())
             base["clone"]["host_us"] = host_time(one, device, budget, no_grad=True).us
+            if not case.hk:
+                # The floor under any backward's host cost: torch.autograd.grad through a clone,
+                # whose backward is the identity (engine entry, device thread hand-off, return).
+                x, g = leaf(t), inputs.gs[0]
+                y = x.clone()
+                base["clone"]["bwd_host_us"] = host_time(
+                    lambda x=x, y=y, g=g: torch.autograd.grad(y, x, g, retain_graph=True), device, budget).us
         progress.done()
         for impl in case_impls:
             progress.step(f"{case.name}: {impl.name}")
