@@ -65,8 +65,15 @@ def perturbed(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=
 
 def _round_toward_zero(v, dtype):
     r = v.to(dtype)
-    over = r.double().abs() > v.detach().double().abs()
-    return torch.where(over, torch.nextafter(r, torch.zeros_like(r)), r)
+    over = r.double().abs() > v.detach().double().abs()  # rounded away from zero: step back one ulp
+    if dtype == v.dtype:  # nothing was rounded
+        return r
+    # On the bits, not with torch.nextafter: CUDA computes nextafter of 16-bit floats in float32 and
+    # rounds back, which returns r unchanged. One less in the magnitude bits is one ulp toward zero
+    # for either sign (r is nonzero wherever `over` holds, so no borrow reaches the sign bit).
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[r.element_size()]
+    stepped = (r.view(bits) - 1).view(dtype)
+    return torch.where(over, stepped, r)
 
 
 def adjoint(g, freqs, kw, **hooks):
