@@ -27,10 +27,6 @@ Adjoint. With sa = sin f[a], sb = sin f[b]:
 i.e. the backward is the forward with (sa, sb) replaced by (-sb, -sa): each element takes its
 partner's sine. It equals a rotation by -theta only when fa == fb, which the contract never assumes.
 
-Order of work in a program: its first chunk of rows is loaded before the angles are, so the two
-global round trips overlap instead of adding up; then each chunk is rotated and stored, and the
-next one loaded.
-
 In place (INPLACE), out is x itself: a barrier separates each chunk's loads from its stores.
 """
 import triton
@@ -151,99 +147,57 @@ def _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd,
 
 
 @triton.jit
-def _row_offsets(r0, r_end, x_base, o_base, n_heads, stride_xb, stride_xh, stride_ob, stride_oh,
-                 GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Offsets of rows [r0, r0 + BLOCK_R) of a group in x and out, and which of them exist."""
-    rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-    if GROUP_PER_BATCH:
-        return x_base + rows * stride_xh, o_base + rows * stride_oh, rows < r_end
-    b_of_row = rows // n_heads
-    h_of_row = rows % n_heads
-    return (x_base + b_of_row * stride_xb + h_of_row * stride_xh,
-            o_base + b_of_row * stride_ob + h_of_row * stride_oh, rows < r_end)
-
-
-@triton.jit
-def _load_chunk(x_ptr, x_base, r0, r_end, n_heads, stride_xb, stride_xh, stride_xd,
-                HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-                GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                BLOCK_TAIL: tl.constexpr):
-    """Rows [r0, r0 + BLOCK_R) as stored: (a, b, tail) for half-split, (pairs, pairs, tail) for
-    interleaved. Without pass-through channels (BLOCK_TAIL = 0) the tail slot repeats the first."""
-    x_row, _, r_ok = _row_offsets(r0, r_end, x_base, x_base, n_heads, stride_xb, stride_xh, stride_xb, stride_xh,
-                                  GROUP_PER_BATCH, BLOCK_R)
-    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
-    if INTERLEAVED:
-        cols = tl.arange(0, 2 * BLOCK_HALF)
-        first = _load_row_chunk(x_ptr, x_row, cols, stride_xd, r_ok[:, None] & (cols < ROT_DIM)[None, :])
-        second = first
-    else:
-        m = r_ok[:, None] & k_ok[None, :]
-        first = _load_row_chunk(x_ptr, x_row, col_a, stride_xd, m)
-        second = _load_row_chunk(x_ptr, x_row, col_b, stride_xd, m)
-    tail = first
-    if BLOCK_TAIL > 0:
-        t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
-        tail = _load_row_chunk(x_ptr, x_row, t_cols, stride_xd, r_ok[:, None] & (t_cols < HEAD_DIM)[None, :])
-    return first, second, tail
-
-
-@triton.jit
-def _rotate_store_chunk(out_ptr, o_row, r_ok, first, second, tail, stride_od, cos_a, cos_b, sin_a, sin_b,
-                        HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-                        RNE_BF16: tl.constexpr, INPLACE: tl.constexpr):
-    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
-    out_ty = out_ptr.dtype.element_ty
-    if INTERLEAVED:
-        xa, xb = tl.split(tl.reshape(first.to(tl.float32), (BLOCK_R, BLOCK_HALF, 2)))
-    else:
-        xa = first.to(tl.float32)
-        xb = second.to(tl.float32)
-    out_a = xa * cos_a - xb * sin_a
-    out_b = xb * cos_b + xa * sin_b
-    if INPLACE:
-        # Every element this program stores was loaded by it, but a layout wider than the tile
-        # gives some elements to several threads: without the barrier one thread could store
-        # the rotated value before another loads the original (the race of the seed study).
-        tl.debug_barrier()
-    if INTERLEAVED:
-        cols = tl.arange(0, 2 * BLOCK_HALF)
-        y = tl.reshape(tl.join(out_a, out_b), (BLOCK_R, 2 * BLOCK_HALF))
-        tl.store(out_ptr + o_row[:, None] + cols[None, :] * stride_od, _to_output(y, out_ty, RNE_BF16),
-                 mask=r_ok[:, None] & (cols < ROT_DIM)[None, :])
-    else:
-        m = r_ok[:, None] & k_ok[None, :]
-        tl.store(out_ptr + o_row[:, None] + col_a[None, :] * stride_od, _to_output(out_a, out_ty, RNE_BF16), mask=m)
-        tl.store(out_ptr + o_row[:, None] + col_b[None, :] * stride_od, _to_output(out_b, out_ty, RNE_BF16), mask=m)
-    if BLOCK_TAIL > 0:
-        t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
-        tl.store(out_ptr + o_row[:, None] + t_cols[None, :] * stride_od, tail,
-                 mask=r_ok[:, None] & (t_cols < HEAD_DIM)[None, :])
-
-
-@triton.jit
 def _rotate_rows(x_ptr, out_ptr, x_base, o_base, r_begin, r_end, n_heads,
                  stride_xb, stride_xh, stride_xd, stride_ob, stride_oh, stride_od,
-                 cos_a, cos_b, sin_a, sin_b, first, second, tail,
+                 cos_a, cos_b, sin_a, sin_b,
                  HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
                  GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr, INPLACE: tl.constexpr):
-    """Rotate rows [r_begin, r_end) of one group with the group's cos/sin factors.
-
-    (first, second, tail) is the chunk at r_begin, loaded by the caller before it computed the
-    angles, so that the program's first global loads do not wait for the angles' load, sin/cos and
-    layout move; every later chunk is loaded right after the one before it is stored. (In place,
-    BLOCK_TAIL is 0: the pass-through channels stay where they are.)
-    """
+    """Rotate rows [r_begin, r_end) of one group with the group's cos/sin factors."""
+    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
+    r = tl.arange(0, BLOCK_R)
+    out_ty = out_ptr.dtype.element_ty
     for r0 in range(r_begin, r_end, BLOCK_R):
-        _, o_row, r_ok = _row_offsets(r0, r_end, x_base, o_base, n_heads, stride_xb, stride_xh, stride_ob,
-                                      stride_oh, GROUP_PER_BATCH, BLOCK_R)
-        _rotate_store_chunk(out_ptr, o_row, r_ok, first, second, tail, stride_od, cos_a, cos_b, sin_a, sin_b,
-                            HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
-        first, second, tail = _load_chunk(x_ptr, x_base, r0 + BLOCK_R, r_end, n_heads, stride_xb, stride_xh,
-                                          stride_xd, HEAD_DIM, ROT_DIM, INTERLEAVED, GROUP_PER_BATCH, BLOCK_R,
-                                          BLOCK_HALF, BLOCK_TAIL)
+        rows = (r0 + r).to(tl.int64)
+        r_ok = rows < r_end
+        if GROUP_PER_BATCH:
+            x_row = x_base + rows * stride_xh
+            o_row = o_base + rows * stride_oh
+        else:
+            b_of_row = rows // n_heads
+            h_of_row = rows % n_heads
+            x_row = x_base + b_of_row * stride_xb + h_of_row * stride_xh
+            o_row = o_base + b_of_row * stride_ob + h_of_row * stride_oh
+        if INTERLEAVED:
+            cols = tl.arange(0, 2 * BLOCK_HALF)
+            m = r_ok[:, None] & (cols < ROT_DIM)[None, :]
+            x = _load_row_chunk(x_ptr, x_row, cols, stride_xd, m).to(tl.float32)
+            xa, xb = tl.split(tl.reshape(x, (BLOCK_R, BLOCK_HALF, 2)))
+        else:
+            m = r_ok[:, None] & k_ok[None, :]
+            xa = _load_row_chunk(x_ptr, x_row, col_a, stride_xd, m).to(tl.float32)
+            xb = _load_row_chunk(x_ptr, x_row, col_b, stride_xd, m).to(tl.float32)
+        out_a = xa * cos_a - xb * sin_a
+        out_b = xb * cos_b + xa * sin_b
+        if INPLACE:
+            # Every element this program stores was loaded by it, but a layout wider than the tile
+            # gives some elements to several threads: without the barrier one thread could store
+            # the rotated value before another loads the original (the race of the seed study).
+            tl.debug_barrier()
+        if INTERLEAVED:
+            y = tl.reshape(tl.join(out_a, out_b), (BLOCK_R, 2 * BLOCK_HALF))
+            tl.store(out_ptr + o_row[:, None] + cols[None, :] * stride_od, _to_output(y, out_ty, RNE_BF16),
+                     mask=m)
+        else:
+            tl.store(out_ptr + o_row[:, None] + col_a[None, :] * stride_od, _to_output(out_a, out_ty, RNE_BF16),
+                     mask=m)
+            tl.store(out_ptr + o_row[:, None] + col_b[None, :] * stride_od, _to_output(out_b, out_ty, RNE_BF16),
+                     mask=m)
+        if BLOCK_TAIL > 0 and not INPLACE:  # in place, the pass-through channels are already there
+            t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+            mt = r_ok[:, None] & (t_cols < HEAD_DIM)[None, :]
+            tail = _load_row_chunk(x_ptr, x_row, t_cols, stride_xd, mt)
+            tl.store(out_ptr + o_row[:, None] + t_cols[None, :] * stride_od, tail, mask=mt)
 
 
 @triton.jit
@@ -261,18 +215,15 @@ def rope_kernel(
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr,
 ):
     s_idx, b_idx = _group(n_batch, GROUP_PER_BATCH)
-    r_begin = tl.program_id(1) * rows_per_program
-    r_end = tl.minimum(r_begin + rows_per_program, rows_per_group)
-    x_base = s_idx * stride_xs + b_idx * stride_xb
-    first, second, tail = _load_chunk(x_ptr, x_base, r_begin, r_end, n_heads, stride_xb, stride_xh, stride_xd,
-                                      HEAD_DIM, ROT_DIM, INTERLEAVED, GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
     pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP)
     cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
                                          BACKWARD, BLOCK_HALF, PIN)
-    _rotate_rows(x_ptr, out_ptr, x_base, s_idx * stride_os + b_idx * stride_ob,
+    r_begin = tl.program_id(1) * rows_per_program
+    r_end = tl.minimum(r_begin + rows_per_program, rows_per_group)
+    _rotate_rows(x_ptr, out_ptr, s_idx * stride_xs + b_idx * stride_xb, s_idx * stride_os + b_idx * stride_ob,
                  r_begin, r_end, n_heads, stride_xb, stride_xh, stride_xd, stride_ob, stride_oh, stride_od,
-                 cos_a, cos_b, sin_a, sin_b, first, second, tail, HEAD_DIM, ROT_DIM, INTERLEAVED, GROUP_PER_BATCH,
-                 BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
+                 cos_a, cos_b, sin_a, sin_b, HEAD_DIM, ROT_DIM, INTERLEAVED, GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF,
+                 BLOCK_TAIL, RNE_BF16, INPLACE)
 
 
 @triton.jit
@@ -296,27 +247,16 @@ def rope_qk_kernel(
     The group's rows are q's rows followed by k's; program_id(1) splits that joint row range.
     """
     s_idx, b_idx = _group(n_batch, GROUP_PER_BATCH)
-    r_begin = tl.program_id(1) * rows_per_program
-    r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
-    q_base = s_idx * stride_qs + b_idx * stride_qb
-    k_base = s_idx * stride_ks + b_idx * stride_kb
-    q_end = tl.minimum(r_end, q_rows)
-    k_begin = tl.maximum(r_begin, q_rows) - q_rows
-    # q's first chunk is loaded before the angles are computed (see _rotate_rows); k's waits until
-    # q's rows are done, so that a program does not hold two chunks in registers through q's loop.
-    first, second, tail = _load_chunk(q_ptr, q_base, r_begin, q_end, q_heads, stride_qb, stride_qh, stride_qd,
-                                      HEAD_DIM, ROT_DIM, INTERLEAVED, GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
     pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP)
     cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
                                          BACKWARD, BLOCK_HALF, PIN)
-    _rotate_rows(q_ptr, qo_ptr, q_base, s_idx * stride_qos + b_idx * stride_qob, r_begin, q_end, q_heads,
-                 stride_qb, stride_qh, stride_qd, stride_qob, stride_qoh, stride_qod, cos_a, cos_b, sin_a, sin_b,
-                 first, second, tail, HEAD_DIM, ROT_DIM, INTERLEAVED, GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF,
-                 BLOCK_TAIL, RNE_BF16, INPLACE)
-    first, second, tail = _load_chunk(k_ptr, k_base, k_begin, r_end - q_rows, k_heads, stride_kb, stride_kh,
-                                      stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF,
-                                      BLOCK_TAIL)
-    _rotate_rows(k_ptr, ko_ptr, k_base, s_idx * stride_kos + b_idx * stride_kob, k_begin, r_end - q_rows, k_heads,
-                 stride_kb, stride_kh, stride_kd, stride_kob, stride_koh, stride_kod, cos_a, cos_b, sin_a, sin_b,
-                 first, second, tail, HEAD_DIM, ROT_DIM, INTERLEAVED, GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF,
-                 BLOCK_TAIL, RNE_BF16, INPLACE)
+    r_begin = tl.program_id(1) * rows_per_program
+    r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
+    _rotate_rows(q_ptr, qo_ptr, s_idx * stride_qs + b_idx * stride_qb, s_idx * stride_qos + b_idx * stride_qob,
+                 r_begin, tl.minimum(r_end, q_rows), q_heads, stride_qb, stride_qh, stride_qd,
+                 stride_qob, stride_qoh, stride_qod, cos_a, cos_b, sin_a, sin_b, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                 GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
+    _rotate_rows(k_ptr, ko_ptr, s_idx * stride_ks + b_idx * stride_kb, s_idx * stride_kos + b_idx * stride_kob,
+                 tl.maximum(r_begin, q_rows) - q_rows, r_end - q_rows, k_heads, stride_kb, stride_kh, stride_kd,
+                 stride_kob, stride_koh, stride_kod, cos_a, cos_b, sin_a, sin_b, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                 GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)

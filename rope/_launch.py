@@ -129,8 +129,6 @@ def _groups(layout: Layout, tensor_format: str, has_start: bool, h: int):
 
 def _constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, dtype, inplace):
     block_r, block_half, block_tail, _ = tile
-    if inplace:  # the pass-through channels are already where they belong
-        block_tail = 0
     return (layout.d, layout.rot_dim, interleaved, backward, tensor_format == "thd", per_batch, has_start,
             cp_size > 1, block_r, block_half, block_tail, INTERPRET and dtype == torch.bfloat16, not INTERPRET,
             inplace)
