@@ -177,6 +177,12 @@ def _rotate_rows(x_ptr, out_ptr, x_base, o_base, r_begin, r_end, n_heads,
             m = r_ok[:, None] & k_ok[None, :]
             xa = _load_row_chunk(x_ptr, x_row, col_a, stride_xd, m).to(tl.float32)
             xb = _load_row_chunk(x_ptr, x_row, col_b, stride_xd, m).to(tl.float32)
+        if BLOCK_TAIL > 0 and not INPLACE:  # in place, the pass-through channels are already there
+            # Loaded with the rotated channels, not after their stores: one round trip per chunk
+            # instead of two (rot_dim 64 of 128: 71 % -> 83 % of copy on an H200).
+            t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+            mt = r_ok[:, None] & (t_cols < HEAD_DIM)[None, :]
+            tail = _load_row_chunk(x_ptr, x_row, t_cols, stride_xd, mt)
         out_a = xa * cos_a - xb * sin_a
         out_b = xb * cos_b + xa * sin_b
         if INPLACE:
@@ -193,10 +199,7 @@ def _rotate_rows(x_ptr, out_ptr, x_base, o_base, r_begin, r_end, n_heads,
                      mask=m)
             tl.store(out_ptr + o_row[:, None] + col_b[None, :] * stride_od, _to_output(out_b, out_ty, RNE_BF16),
                      mask=m)
-        if BLOCK_TAIL > 0 and not INPLACE:  # in place, the pass-through channels are already there
-            t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
-            mt = r_ok[:, None] & (t_cols < HEAD_DIM)[None, :]
-            tail = _load_row_chunk(x_ptr, x_row, t_cols, stride_xd, mt)
+        if BLOCK_TAIL > 0 and not INPLACE:
             tl.store(out_ptr + o_row[:, None] + t_cols[None, :] * stride_od, tail, mask=mt)
 
 
