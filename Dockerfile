@@ -29,4 +29,5 @@ RUN python -m pip install "torch==2.11.0" "triton==3.6.0"
 COPY . .
 RUN python -m pip install -e ".[test,bench]"
 
-CMD ["python", "-m", "pytest", "-q"]
+# One worker per core: the GPU suite is bound by Triton compiles, not by the GPU.
+CMD ["python", "-m", "pytest", "-q", "-n", "auto"]
