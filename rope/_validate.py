@@ -2,9 +2,10 @@
 
 Everything that depends only on shapes, dtypes, devices and plain Python values is checked in
 `check_static`; the result is cacheable per call signature. Checks that need the *values* of
-`cu_seqlens` or `start_positions` live in `check_positions`: they cost one device-to-host copy and
-are skipped while a CUDA graph is being captured or a graph is being traced, where a copy is not
-allowed. The kernel never reads `freqs` out of range even then (it writes NaN for such tokens).
+`cu_seqlens` or `start_positions` live in `check_positions`: they cost one device-to-host copy per
+new or modified index tensor, and are skipped while a CUDA graph is being captured or a graph is
+being traced, where a copy is not allowed. The kernel never reads `freqs` out of range even then
+(it writes NaN for such tokens).
 """
 from __future__ import annotations
 
@@ -158,9 +159,10 @@ _VALUE_CHECKS = [True]
 def set_value_checks(enabled: bool) -> None:
     """Turn the checks on the values of `cu_seqlens`/`start_positions` on or off (default on).
 
-    They cost one device-to-host copy per call that passes either tensor on the GPU, which a
-    decode loop may not want to pay. With them off, a position past the end of `freqs` is still
-    never read: the kernel writes NaN into that token's rotated channels instead.
+    They cost one device-to-host copy for each new (or modified) index tensor on the GPU; tensors
+    made under `torch.inference_mode()` have no version counter and pay it on every call. With them
+    off, a position past the end of `freqs` is still never read: the kernel writes NaN into that
+    token's rotated channels instead.
     """
     _VALUE_CHECKS[0] = bool(enabled)
 
