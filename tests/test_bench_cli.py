@@ -49,11 +49,12 @@ def test_smoke_run_end_to_end(tmp_path):
     assert kinds == {"t", "qk", "inplace"}
     for case in SMOKE_CASES:
         # each kind of case gets the implementations meant for it, and no others
-        want = {"t": {"ours", "reference", "compile", "te", "flash", "liger"},
-                "qk": {"ours_qk", "ours_2x", "reference", "compile"}, "inplace": {"ours_inplace"}}[case.kind]
+        want = {"t": {"ours", "ours_compiled", "reference", "compile", "te", "flash", "liger"},
+                "qk": {"ours_qk", "ours_2x", "ours_compiled", "reference", "compile"},
+                "inplace": {"ours_inplace"}}[case.kind]
         got = {i for c, i in rows if c == case.name}
         assert got == want, (case.name, got)
-        for impl in ("ours", "ours_qk", "ours_2x", "reference", "compile"):
+        for impl in ("ours", "ours_qk", "ours_2x", "ours_compiled", "reference", "compile"):
             if (case.name, impl) not in rows:
                 continue
             r = rows[(case.name, impl)]
@@ -68,7 +69,8 @@ def test_smoke_run_end_to_end(tmp_path):
             if case.hk:  # both tensors checked, forward and backward; bytes of both
                 assert len(r["check"]["fwd_rel_errs"]) == len(r["check"]["bwd_rel_errs"]) == 2
                 assert r["bytes_fwd"] == case.bytes_fwd and r["k_heads"] == case.hk
-                assert (impl in ("reference", "compile")) == (r["impl_note"] == "two calls, q then k")
+                two_calls = impl in ("reference", "compile", "ours_compiled")
+                assert two_calls == (r["impl_note"] == "two calls, q then k")
         if case.inplace:
             r = rows[(case.name, "ours_inplace")]
             assert r["status"] == "ok", r["reason"]
@@ -397,7 +399,8 @@ def test_qk_adapters_agree_with_float64(case):
     ref = reference64(inputs, t, g)
     before = [x.clone() for x in t]
     # aot_eager: dynamo and AOTAutograd without a C++ toolchain on CPU, as the smoke run does
-    impls = peers.make_impls(["ours_qk", "ours_2x", "reference", "compile"], compile_backend="aot_eager")
+    impls = peers.make_impls(["ours_qk", "ours_2x", "ours_compiled", "reference", "compile"],
+                             compile_backend="aot_eager")
     for impl in impls:
         if impl.unsupported(case):
             assert impl.name == "compile" and case.fmt == "thd"

@@ -23,6 +23,10 @@ Each implementation runs the kinds of case it is meant for (`kinds`); the others
              policy (after the first shape, dynamo compiles shape-generic kernels, as a model would
              get); compilation and warm-up happen before timing. Not for thd: the reference reads
              cu_seqlens on the host and loops over sequences in Python. On a qk case two calls.
+- ours_compiled  `rope.apply_rotary_pos_emb` under `torch.compile(fullgraph=True)`: the kernel as
+             the custom op `rope::rotate`, as a compiled model calls it. Same GPU work as `ours`;
+             its host cost per call is what a compiled model's eager-mode fallbacks would not see.
+             On a qk case two calls.
 - te         TransformerEngine's fused kernel: its API is ours, so it gets the same arguments.
 - flash      flash-attention's Triton `apply_rotary_emb`: x as (b, s, h, d) — for sbhd the
              (0, 1)-transposed view of the same memory, no copy (it takes strides); thd as
@@ -236,14 +240,42 @@ class Compiled(_TEStyle):
             fcfg = getattr(torch, "_functorch", None) and torch._functorch.config
             if fcfg is not None and hasattr(fcfg, "donated_buffer"):
                 fcfg.donated_buffer = False
-            self._fn = torch.compile(reference.apply_rotary_pos_emb, backend=self.backend)
+            self._fn = torch.compile(self._target(), backend=self.backend, fullgraph=self.fullgraph)
         return self._fn
+
+    fullgraph = False
+
+    def _target(self):
+        return reference.apply_rotary_pos_emb
 
     def _call(self, inputs):
         c = inputs.case
         freqs, start, cu = inputs.freqs, inputs.start_positions, inputs.cu_seqlens
         fn = self._compiled()
         return lambda x: fn(x, freqs, c.fmt, start, c.interleaved, False, cu)
+
+
+class OursCompiled(Compiled):
+    name, title = "ours_compiled", "rope under torch.compile (custom op)"
+    layout = "the case as given; torch.compile(fullgraph=True) of rope.apply_rotary_pos_emb, warm-up excluded"
+    fullgraph = True
+
+    def unsupported(self, case):
+        return None  # the custom op takes thd like any other format: no host reads while traced
+
+    def _target(self):
+        from .. import apply_rotary_pos_emb
+
+        return apply_rotary_pos_emb
+
+    def _call(self, inputs):
+        c = inputs.case
+        freqs, start, cu = inputs.freqs, inputs.start_positions, inputs.cu_seqlens
+        fn = self._compiled()
+        return lambda x: fn(x, freqs, c.fmt, start, c.interleaved, True, cu)
+
+    def poison(self):
+        return _nan_outputs()
 
 
 def _installed(top: str) -> bool:
@@ -413,9 +445,10 @@ class Liger(_Optional, Impl):
         )
 
 
-IMPL_NAMES = ("ours", "ours_qk", "ours_2x", "ours_inplace", "reference", "compile", "te", "flash", "liger")
+IMPL_NAMES = ("ours", "ours_qk", "ours_2x", "ours_inplace", "ours_compiled", "reference", "compile", "te", "flash",
+              "liger")
 # Ours: a failed check or an error in one of these makes the CLI exit non-zero.
-OURS = ("ours", "ours_qk", "ours_2x", "ours_inplace")
+OURS = ("ours", "ours_qk", "ours_2x", "ours_inplace", "ours_compiled")
 
 
 def make_impls(names=None, compile_backend="inductor") -> list:
@@ -425,6 +458,7 @@ def make_impls(names=None, compile_backend="inductor") -> list:
         raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(IMPL_NAMES)}")
     makers = {
         "ours": Ours, "ours_qk": OursQK, "ours_2x": OursTwice, "ours_inplace": OursInplace,
+        "ours_compiled": lambda: OursCompiled(compile_backend),
         "reference": Reference, "compile": lambda: Compiled(compile_backend),
         "te": TransformerEngine, "flash": FlashAttention, "liger": Liger,
     }
