@@ -244,6 +244,7 @@ class Compiled(_TEStyle):
         return self._fn
 
     fullgraph = False
+    fused = False  # the reference's own `fused` argument: False, its PyTorch path
 
     def _target(self):
         return reference.apply_rotary_pos_emb
@@ -252,13 +253,14 @@ class Compiled(_TEStyle):
         c = inputs.case
         freqs, start, cu = inputs.freqs, inputs.start_positions, inputs.cu_seqlens
         fn = self._compiled()
-        return lambda x: fn(x, freqs, c.fmt, start, c.interleaved, False, cu)
+        return lambda x: fn(x, freqs, c.fmt, start, c.interleaved, self.fused, cu)
 
 
 class OursCompiled(Compiled):
     name, title = "ours_compiled", "rope under torch.compile (custom op)"
     layout = "the case as given; torch.compile(fullgraph=True) of rope.apply_rotary_pos_emb, warm-up excluded"
     fullgraph = True
+    fused = True  # the Triton kernel, which under compile is the custom op
 
     def unsupported(self, case):
         return None  # the custom op takes thd like any other format: no host reads while traced
@@ -267,12 +269,6 @@ class OursCompiled(Compiled):
         from .. import apply_rotary_pos_emb
 
         return apply_rotary_pos_emb
-
-    def _call(self, inputs):
-        c = inputs.case
-        freqs, start, cu = inputs.freqs, inputs.start_positions, inputs.cu_seqlens
-        fn = self._compiled()
-        return lambda x: fn(x, freqs, c.fmt, start, c.interleaved, True, cu)
 
     def poison(self):
         return _nan_outputs()
