@@ -9,6 +9,7 @@ values (all fixed by shapes and strides) and whether each pointer is 16-byte ali
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -38,6 +39,19 @@ def empty(x: torch.Tensor) -> torch.Tensor:
     """A new contiguous output for `x`. Tests replace it with one that fills NaN, to prove every
     element is written. (`empty_like` costs about half the host time of `empty(shape, ...)`.)"""
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@contextlib.contextmanager
+def nan_outputs():
+    """Within it, every output the launcher allocates starts as NaN, so a check that finds none
+    knows every element was written (tests and the benchmark's accuracy check use it)."""
+    global empty
+    saved = empty
+    empty = lambda x: torch.full_like(x, float("nan"), memory_format=torch.contiguous_format)  # noqa: E731
+    try:
+        yield
+    finally:
+        empty = saved
 
 _SM_COUNT: dict = {}
 

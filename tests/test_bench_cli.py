@@ -482,3 +482,17 @@ def test_inplace_check_requires_the_inputs_memory(monkeypatch):
     monkeypatch.setattr(impl, "bind", copying)
     result = check_impl(impl, inputs, inputs.ts[0], inputs.gs[0], ref)
     assert not result.ok and "not its input's memory" in result.message
+
+
+def test_ours_compiled_runs_rope_through_its_custom_op(monkeypatch):
+    """`ours_compiled` times rope's kernel under torch.compile, not the reference it falls back to."""
+    import rope.functional
+
+    launched = []
+    real = rope.functional._rotate
+    monkeypatch.setattr(rope.functional, "_rotate", lambda *a, **k: (launched.append(1), real(*a, **k))[1])
+    inputs = make_inputs(Case("c_sbhd", "sbhd", 4, 2, 2, 16, "fp32"), DEVICE, n_sets=1, seed=7)
+    impl = peers.make_impls(["ours_compiled"], compile_backend="aot_eager")[0]
+    bound = impl.bind(inputs, inputs.ts[0])
+    bound.fn(*bound.xs)
+    assert launched

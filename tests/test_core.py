@@ -262,3 +262,9 @@ def test_value_checks_run_once_per_unmodified_index_tensor(monkeypatch):
         for _ in range(2):
             rope.apply_rotary_pos_emb(t, freqs, start_positions=frozen)
     assert len(calls) == 5
+    # A memo entry is keyed by id(): a new tensor that reuses a freed one's id (and version 0) must
+    # not match its stamp.
+    first, other = torch.tensor([0, 4], device=DEVICE), torch.tensor([0, 4], device=DEVICE)
+    assert first._version == other._version
+    assert validate._still(validate._stamp(first), first)
+    assert not validate._still(validate._stamp(first), other)
