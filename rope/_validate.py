@@ -119,6 +119,74 @@ def check_inplace(name: str, x: torch.Tensor) -> None:
                           f"use inplace=False")
 
 
+def _span(x: torch.Tensor) -> tuple:
+    lo = hi = x.storage_offset()
+    for n, st in zip(x.shape, x.stride(), strict=True):
+        (lo, hi) = (lo + (n - 1) * st, hi) if st < 0 else (lo, hi + (n - 1) * st)
+    return lo, hi
+
+
+_DISJOINT: dict = {}
+_DISJOINT_MAX = 64
+
+
+def _same_stride_views_overlap(shape_q, shape_k, strides, delta) -> bool | None:
+    """Whether delta = sum c_j * stride_j with -(nk_j - 1) <= c_j <= nq_j - 1 for every dim: that is,
+    whether two views with these strides, whose first elements are delta apart, share an element.
+    A depth-first search over the dims, largest stride first, where each c_j is confined to the
+    values the smaller dims can still make up for (one or two per dim for a dense layout); None if
+    it takes too long to decide."""
+    dims = sorted((abs(st), nq, nk) for st, nq, nk in zip(strides, shape_q, shape_k, strict=True)
+                  if st != 0 and (nq > 1 or nk > 1))[::-1]
+    reach = [0] * (len(dims) + 1)  # reach[j]: the most that dims j.. can add or take away
+    for j in range(len(dims) - 1, -1, -1):
+        st, nq, nk = dims[j]
+        reach[j] = reach[j + 1] + st * max(nq - 1, nk - 1)
+    budget = [10_000]
+
+    def search(j, rest) -> bool | None:
+        if j == len(dims):
+            return rest == 0
+        budget[0] -= 1
+        if budget[0] < 0:
+            return None
+        st, nq, nk = dims[j]
+        lo = max(-(nk - 1), -((reach[j + 1] - rest) // st))  # ceil((rest - reach) / st)
+        hi = min(nq - 1, (rest + reach[j + 1]) // st)
+        for c in range(lo, hi + 1):
+            found = search(j + 1, rest - c * st)
+            if found is not False:
+                return found
+        return False
+
+    return search(0, delta)
+
+
+def check_disjoint(q: torch.Tensor, k: torch.Tensor) -> None:
+    """In-place q and k in one launch must not share an element (their rows go to different
+    programs, which would race). Separate buffers pass at once; views of one buffer (q and k sliced
+    from a fused qkv projection) are decided exactly when they have the same strides, and refused
+    when that cannot be shown (different strides)."""
+    if q.numel() == 0 or k.numel() == 0 or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return
+    (q_lo, q_hi), (k_lo, k_hi) = _span(q), _span(k)
+    if q_hi < k_lo or k_hi < q_lo:
+        return
+    delta = k.storage_offset() - q.storage_offset()
+    key = (q.shape, k.shape, q.stride(), k.stride(), delta)
+    overlap = _DISJOINT.get(key)
+    if overlap is None:
+        overlap = True if q.stride() != k.stride() else _same_stride_views_overlap(q.shape, k.shape, q.stride(),
+                                                                                   delta)
+        overlap = True if overlap is None else overlap
+        if len(_DISJOINT) >= _DISJOINT_MAX:
+            _DISJOINT.clear()
+        _DISJOINT[key] = overlap
+    if overlap:
+        _fail(ValueError, "k: in-place rotation of q and k that share memory (or whose strides differ, so that "
+                          "they cannot be shown not to); pass disjoint tensors")
+
+
 def check_pair(q, k, tensor_format: str) -> None:
     """q and k of one call: same tokens, head dim, dtype and device; head counts may differ."""
     if not isinstance(k, torch.Tensor):

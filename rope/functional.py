@@ -5,7 +5,7 @@ import torch
 
 from . import _launch, _ops, reference
 from ._launch import INTERPRET, make_plan, make_qk_plan, run
-from ._validate import check_inplace, check_pair, check_positions, check_static
+from ._validate import check_disjoint, check_inplace, check_pair, check_positions, check_static
 
 
 class _Call:
@@ -183,11 +183,7 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
     if inplace:
         check_inplace("q", q)
         check_inplace("k", k)
-        if q.data_ptr() == k.data_ptr() and q.numel():
-            # Rotating the same elements twice in place is never what a caller means. Disjoint views
-            # of one buffer (q and k sliced out of a fused qkv projection) are fine.
-            raise ValueError("k: in-place rotation of q and k that start at the same element; pass disjoint "
-                             "tensors")
+        check_disjoint(q, k)
     if call.checks_values:
         check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     freqs32 = freqs if freqs.dtype == torch.float32 else freqs.float()

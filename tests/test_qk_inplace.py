@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -192,5 +193,30 @@ def test_inplace_qk_disjoint_views_of_one_buffer_and_aliasing():
     want_q, want_k = rope.apply_rotary_pos_emb(q, freqs), rope.apply_rotary_pos_emb(k, freqs)
     rope.apply_rotary_pos_emb_qk(q, k, freqs, inplace=True)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
-    with pytest.raises(ValueError, match=r"\bk\b.*same element"):
-        rope.apply_rotary_pos_emb_qk(q, q, freqs, inplace=True)
+    every_other = qkv.as_strided((S, B, 2, D), (qkv.stride(0), qkv.stride(1), 2 * D, 1), 2 * D)  # heads 2 and 4
+    for other in (q, qkv[:, :, 3:5], every_other):  # the same heads; one head shared; other strides
+        before = qkv.clone()
+        with pytest.raises(ValueError, match=r"\bk\b.*share memory"):
+            rope.apply_rotary_pos_emb_qk(q, other, freqs, inplace=True)
+        assert torch.equal(qkv, before)  # refused before anything was written
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_same_stride_overlap_decision_is_exact(seed):
+    """The in-place q/k disjointness search agrees with listing both views' elements."""
+    from rope._validate import _same_stride_views_overlap
+
+    rng = random.Random(seed)
+    ndim = rng.randint(1, 4)
+    shape_q = [rng.randint(1, 4) for _ in range(ndim)]
+    shape_k = list(shape_q)
+    shape_k[-1] = rng.randint(1, 4)  # head counts differ, in any position the strides put them
+    strides = [rng.randint(1, 9) for _ in range(ndim)]
+    delta = rng.randint(-40, 40)
+
+    def elements(shape, offset):
+        return {offset + sum(i * st for i, st in zip(idx, strides, strict=True))
+                for idx in itertools.product(*(range(n) for n in shape))}
+
+    truth = bool(elements(shape_q, 0) & elements(shape_k, delta))
+    assert _same_stride_views_overlap(shape_q, shape_k, strides, delta) == truth
