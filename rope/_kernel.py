@@ -120,30 +120,38 @@ def _pair_columns(ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HALF: 
 @triton.jit
 def _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd,
             ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-            BLOCK_HALF: tl.constexpr, PIN: tl.constexpr):
+            BLOCK_HALF: tl.constexpr, PIN: tl.constexpr, TABLE: tl.constexpr):
     """cos/sin factors of channels a and b = partner(a), as [1, BLOCK_HALF] rows, once per program.
 
-    Backward uses the adjoint's factors: (sin_a, sin_b) -> (-sin f[b], -sin f[a]).
+    TABLE: freqs_ptr is `rope._table`'s [freqs_len, 2, ROT_DIM] table (cos row, then sin row), read
+    instead of evaluated. Backward uses the adjoint's factors: (sin_a, sin_b) -> (-sin f[b], -sin f[a]).
     """
     # Only reachable when value checks were skipped (graph capture, or switched off): never read
     # past freqs; the rotated channels of such a token become NaN instead.
     pos_ok = (pos >= 0) & (pos < freqs_len)
     k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
     f_row = freqs_ptr + tl.where(pos_ok, pos, 0) * stride_fs
-    fa = tl.load(f_row + col_a * stride_fd, mask=k_ok, other=0.0)
-    fb = tl.load(f_row + col_b * stride_fd, mask=k_ok, other=0.0)
-    fa = tl.where(pos_ok, fa, float("nan"))
-    fb = tl.where(pos_ok, fb, float("nan"))
-    cos_a = tl.cos(fa)
-    cos_b = tl.cos(fb)
-    if BACKWARD:
-        sin_a = -tl.sin(fb)
-        sin_b = -tl.sin(fa)
+    if TABLE:
+        cos_a = tl.where(pos_ok, tl.load(f_row + col_a * stride_fd, mask=k_ok, other=0.0), float("nan"))
+        cos_b = tl.where(pos_ok, tl.load(f_row + col_b * stride_fd, mask=k_ok, other=0.0), float("nan"))
+        sin_fa = tl.where(pos_ok, tl.load(f_row + (ROT_DIM + col_a) * stride_fd, mask=k_ok, other=0.0),
+                          float("nan"))
+        sin_fb = tl.where(pos_ok, tl.load(f_row + (ROT_DIM + col_b) * stride_fd, mask=k_ok, other=0.0),
+                          float("nan"))
     else:
-        sin_a = tl.sin(fa)
-        sin_b = tl.sin(fb)
-    return (_pin(cos_a, PIN)[None, :], _pin(cos_b, PIN)[None, :],
-            _pin(sin_a, PIN)[None, :], _pin(sin_b, PIN)[None, :])
+        fa = tl.where(pos_ok, tl.load(f_row + col_a * stride_fd, mask=k_ok, other=0.0), float("nan"))
+        fb = tl.where(pos_ok, tl.load(f_row + col_b * stride_fd, mask=k_ok, other=0.0), float("nan"))
+        cos_a = _pin(tl.cos(fa), PIN)
+        cos_b = _pin(tl.cos(fb), PIN)
+        sin_fa = _pin(tl.sin(fa), PIN)
+        sin_fb = _pin(tl.sin(fb), PIN)
+    if BACKWARD:
+        sin_a = -sin_fb
+        sin_b = -sin_fa
+    else:
+        sin_a = sin_fa
+        sin_b = sin_fb
+    return cos_a[None, :], cos_b[None, :], sin_a[None, :], sin_b[None, :]
 
 
 @triton.jit
@@ -215,12 +223,12 @@ def rope_kernel(
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr,
+    RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr,
 ):
     s_idx, b_idx = _group(n_batch, GROUP_PER_BATCH)
     pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP)
     cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
-                                         BACKWARD, BLOCK_HALF, PIN)
+                                         BACKWARD, BLOCK_HALF, PIN, TABLE)
     r_begin = tl.program_id(1) * rows_per_program
     r_end = tl.minimum(r_begin + rows_per_program, rows_per_group)
     _rotate_rows(x_ptr, out_ptr, s_idx * stride_xs + b_idx * stride_xb, s_idx * stride_os + b_idx * stride_ob,
@@ -243,7 +251,7 @@ def rope_qk_kernel(
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr,
+    RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr,
 ):
     """q and k of one layer in one launch: a group's angles are read and evaluated once for both.
 
@@ -252,7 +260,7 @@ def rope_qk_kernel(
     s_idx, b_idx = _group(n_batch, GROUP_PER_BATCH)
     pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP)
     cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
-                                         BACKWARD, BLOCK_HALF, PIN)
+                                         BACKWARD, BLOCK_HALF, PIN, TABLE)
     r_begin = tl.program_id(1) * rows_per_program
     r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
     _rotate_rows(q_ptr, qo_ptr, s_idx * stride_qs + b_idx * stride_qb, s_idx * stride_qos + b_idx * stride_qob,

@@ -20,19 +20,23 @@ from ._validate import Layout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Tile shape, from sweeps on an H200 (BENCHMARKS.md): 8 rows per loop iteration (16 for
-# interleaved, whose single full-width tile is split in registers) and as many warps as give
-# every thread one 16-byte vector of the *widest* of the tiles (each half of the rotated channels,
-# the pass-through tail). With partial rotary the narrow rotated halves then get 4-8 bytes per
-# thread, but the program keeps enough loads in flight: rot_dim 64 of 128 went from 69 % of copy
-# (sized by the narrowest tile, 1 warp) to 83 % (2 warps). More rows per thread, a register
-# prefetch of the next chunk, or one chunk per program did not help (within 1-2 %, often worse).
+# Tile shape, from sweeps on an H200 (BENCHMARKS.md). Kernel evaluating sin/cos itself: 8 rows
+# per loop iteration (16 for interleaved, whose single full-width tile is split in registers) and
+# as many warps as give every thread one 16-byte vector of the *widest* of the tiles (each half of
+# the rotated channels, the pass-through tail); wider tiles lose to its sin/cos prologue. With
+# partial rotary the narrow rotated halves then get 4-8 bytes per thread, but the program keeps
+# enough loads in flight: rot_dim 64 of 128 went from 69 % of copy (sized by the narrowest tile,
+# 1 warp) to 83 % (2 warps). A register prefetch of the next chunk, or one chunk per program, did
+# not help (within 1-2 %, often worse).
 _ROWS_HALFSPLIT = 8
 _ROWS_INTERLEAVED = 16
 _VECTORS_INTERLEAVED = 4
+# Kernel reading a cos/sin table (`rope._table`): nothing to amortise, so the widest tile one
+# 16-byte vector per thread allows, up to 8 warps and 32 rows (note 11).
+_TABLE_THREADS = 256
+_TABLE_MAX_ROWS = 32
 # Programs wanted per SM before a group's rows are split over several programs.
 _PROGRAMS_PER_SM = 8
-
 
 
 def empty(x: torch.Tensor) -> torch.Tensor:
@@ -107,12 +111,17 @@ def _out_roles(x: torch.Tensor, tensor_format: str, inplace: bool) -> tuple:
     return (inner * row, row, d, 1) if tensor_format == "sbhd" else (row, outer * row, d, 1)
 
 
-def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int):
-    """(BLOCK_R, BLOCK_HALF, BLOCK_TAIL, num_warps) by the rule above."""
+def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int, table: bool = False):
+    """(BLOCK_R, BLOCK_HALF, BLOCK_TAIL, num_warps) by the rules above."""
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
     vec = 16 // element_size  # elements per 16-byte access
-    if interleaved:
+    if table:
+        widest = max(2 * block_half if interleaved else block_half, block_tail)
+        block_r = min(triton.next_power_of_2(rows_per_group), _TABLE_MAX_ROWS,
+                      max(1, _TABLE_THREADS * vec // widest))
+        threads = block_r * widest // vec
+    elif interleaved:
         widest = max(2 * block_half, block_tail)
         block_r = min(triton.next_power_of_2(rows_per_group), _ROWS_INTERLEAVED)
         threads = block_r * widest // (vec * _VECTORS_INTERLEAVED)
@@ -141,43 +150,53 @@ def _groups(layout: Layout, tensor_format: str, has_start: bool, h: int):
     return layout.s, layout.b * h, per_batch
 
 
-def _constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, dtype, inplace):
+def _constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, dtype, inplace,
+                table):
     block_r, block_half, block_tail, _ = tile
     return (layout.d, layout.rot_dim, interleaved, backward, tensor_format == "thd", per_batch, has_start,
             cp_size > 1, block_r, block_half, block_tail, INTERPRET and dtype == torch.bfloat16, not INTERPRET,
-            inplace)
+            inplace, table)
+
+
+def _angle_strides(angles: torch.Tensor) -> tuple:
+    """(row stride, channel stride) of the kernel's angle source: `freqs` [s2, 1, 1, d2] as
+    float32, or its cos/sin table [s2, 2, d2] (`rope._table`)."""
+    return angles.stride(0), angles.stride(-1)
 
 
 def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: bool, has_start: bool,
-              cp_size: int, cp_rank: int, freqs_stride: tuple, backward: bool, inplace: bool = False) -> Plan:
+              cp_size: int, cp_rank: int, angles: torch.Tensor, backward: bool, inplace: bool = False) -> Plan:
+    """`angles`: float32 `freqs`, or its cos/sin table (3-D), as the kernel will read it."""
+    table = angles.dim() == 3
     n_groups, rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
-    tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), rows)
+    tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), rows, table)
     splits, rows_per_program = _split(n_groups, rows, tile[0], x.device)
     scalars = (
         layout.h, layout.b, rows, rows_per_program, layout.s, layout.n_seqs, layout.freqs_len, cp_size, cp_rank,
-        *_roles(x, tensor_format), *_out_roles(x, tensor_format, inplace), freqs_stride[0], freqs_stride[3],
+        *_roles(x, tensor_format), *_out_roles(x, tensor_format, inplace), *_angle_strides(angles),
         *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, x.dtype,
-                     inplace),
+                     inplace, table),
     )
     return Plan(rope_kernel, (n_groups, splits, 1), scalars, tile[3], x.device)
 
 
 def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int, tensor_format: str,
-                 interleaved: bool, has_start: bool, cp_size: int, cp_rank: int, freqs_stride: tuple,
+                 interleaved: bool, has_start: bool, cp_size: int, cp_rank: int, angles: torch.Tensor,
                  backward: bool, inplace: bool = False) -> Plan:
     """One launch for q and k (same tokens, head dim and dtype; head counts may differ)."""
+    table = angles.dim() == 3
     n_groups, q_rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
     _, k_rows, _ = _groups(layout, tensor_format, has_start, k_heads)
-    tile = _tile(layout.d, layout.rot_dim, interleaved, q.element_size(), max(q_rows, k_rows))
+    tile = _tile(layout.d, layout.rot_dim, interleaved, q.element_size(), max(q_rows, k_rows), table)
     splits, rows_per_program = _split(n_groups, q_rows + k_rows, tile[0], q.device)
     scalars = (
         layout.h, k_heads, layout.b, q_rows, k_rows, rows_per_program, layout.s, layout.n_seqs, layout.freqs_len,
         cp_size, cp_rank,
         *_roles(q, tensor_format), *_out_roles(q, tensor_format, inplace),
         *_roles(k, tensor_format), *_out_roles(k, tensor_format, inplace),
-        freqs_stride[0], freqs_stride[3],
+        *_angle_strides(angles),
         *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, q.dtype,
-                     inplace),
+                     inplace, table),
     )
     return Plan(rope_qk_kernel, (n_groups, splits, 1), scalars, tile[3], q.device)
 

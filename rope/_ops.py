@@ -19,11 +19,10 @@ OP_NAME = "rope::rotate"
 def rotate(x: torch.Tensor, freqs: torch.Tensor, start_positions: Optional[torch.Tensor],
            cu_seqlens: Optional[torch.Tensor], tensor_format: str, interleaved: bool, cp_size: int,
            cp_rank: int, backward: bool) -> torch.Tensor:
-    from .functional import _call_for, _rotate
+    from .functional import _call_for, _rotate, angles_for
 
     call = _call_for(x, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
-    freqs32 = freqs if freqs.dtype == torch.float32 else freqs.float()
-    return _rotate(call, x, freqs32, start_positions, cu_seqlens, backward)
+    return _rotate(call, x, angles_for(call, freqs), start_positions, cu_seqlens, backward)
 
 
 @rotate.register_fake

@@ -5,6 +5,7 @@ import torch
 
 from . import _launch, _ops, reference
 from ._launch import INTERPRET, make_plan, make_qk_plan, run
+from ._table import cos_sin_table
 from ._validate import check_disjoint, check_inplace, check_pair, check_positions, check_static
 
 
@@ -19,24 +20,24 @@ class _Call:
         self.checks_values = start_positions is not None or cu_seqlens is not None
         self.plans = {}
 
-    def plan(self, x, freqs32, backward, inplace=False):
-        key = (backward, inplace, x.stride(), x.data_ptr() % 16, freqs32.stride(), freqs32.data_ptr() % 16)
+    def plan(self, x, angles, backward, inplace=False):
+        key = (backward, inplace, x.stride(), x.data_ptr() % 16, angles.shape, angles.stride(), angles.data_ptr() % 16)
         plan = self.plans.get(key)
         if plan is None:
             fmt, interleaved, has_start, cp_size, cp_rank = self.args
-            plan = make_plan(x, self.layout, fmt, interleaved, has_start, cp_size, cp_rank, freqs32.stride(),
+            plan = make_plan(x, self.layout, fmt, interleaved, has_start, cp_size, cp_rank, angles,
                              backward, inplace)
             self.plans[key] = plan
         return plan
 
-    def qk_plan(self, q, k, k_heads, freqs32, backward, inplace=False):
+    def qk_plan(self, q, k, k_heads, angles, backward, inplace=False):
         key = ("qk", backward, inplace, q.stride(), q.data_ptr() % 16, k.shape, k.stride(), k.data_ptr() % 16,
-               freqs32.stride(), freqs32.data_ptr() % 16)
+               angles.shape, angles.stride(), angles.data_ptr() % 16)
         plan = self.plans.get(key)
         if plan is None:
             fmt, interleaved, has_start, cp_size, cp_rank = self.args
             plan = make_qk_plan(q, k, self.layout, k_heads, fmt, interleaved, has_start, cp_size, cp_rank,
-                                freqs32.stride(), backward, inplace)
+                                angles, backward, inplace)
             self.plans[key] = plan
         return plan
 
@@ -67,58 +68,67 @@ def _call_for(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
     return call
 
 
-def _pointers(freqs32, start_positions, cu_seqlens):
+def angles_for(call, freqs):
+    """What the kernel reads for the angles: the cached cos/sin table of `freqs` (`rope._table`),
+    or, where no table may be used, `freqs` itself as float32 (the kernel then evaluates sin/cos)."""
+    table = cos_sin_table(freqs, call.layout.freqs_len, call.layout.rot_dim)
+    if table is not None:
+        return table
+    return freqs if freqs.dtype == torch.float32 else freqs.float()
+
+
+def _pointers(angles, start_positions, cu_seqlens):
     # Unused index tensors still need a valid pointer argument; the kernel never reads them.
-    return freqs32, start_positions if start_positions is not None else freqs32, \
-        cu_seqlens if cu_seqlens is not None else freqs32
+    return angles, start_positions if start_positions is not None else angles, \
+        cu_seqlens if cu_seqlens is not None else angles
 
 
-def _rotate(call, x, freqs32, start_positions, cu_seqlens, backward, inplace=False):
+def _rotate(call, x, angles, start_positions, cu_seqlens, backward, inplace=False):
     out = x if inplace else _launch.empty(x)
     if out.numel():
-        run(call.plan(x, freqs32, backward, inplace), (x, out, *_pointers(freqs32, start_positions, cu_seqlens)))
+        run(call.plan(x, angles, backward, inplace), (x, out, *_pointers(angles, start_positions, cu_seqlens)))
     return out
 
 
-def _rotate_qk(call, q, k, freqs32, start_positions, cu_seqlens, backward, inplace=False):
+def _rotate_qk(call, q, k, angles, start_positions, cu_seqlens, backward, inplace=False):
     qo = q if inplace else _launch.empty(q)
     ko = k if inplace else _launch.empty(k)
     if qo.numel() or ko.numel():
-        plan = call.qk_plan(q, k, k.shape[-2], freqs32, backward, inplace)
-        run(plan, (q, qo, k, ko, *_pointers(freqs32, start_positions, cu_seqlens)))
+        plan = call.qk_plan(q, k, k.shape[-2], angles, backward, inplace)
+        run(plan, (q, qo, k, ko, *_pointers(angles, start_positions, cu_seqlens)))
     return qo, ko
 
 
 class _RoPEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, freqs32, start_positions, cu_seqlens, call, inplace):
+    def forward(ctx, t, angles, start_positions, cu_seqlens, call, inplace):
         ctx.call = call
-        ctx.inputs = (freqs32, start_positions, cu_seqlens)
-        out = _rotate(call, t, freqs32, start_positions, cu_seqlens, False, inplace)
+        ctx.inputs = (angles, start_positions, cu_seqlens)
+        out = _rotate(call, t, angles, start_positions, cu_seqlens, False, inplace)
         if inplace:
             ctx.mark_dirty(t)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        freqs32, start_positions, cu_seqlens = ctx.inputs
-        return _rotate(ctx.call, grad_out, freqs32, start_positions, cu_seqlens, True), None, None, None, None, None
+        angles, start_positions, cu_seqlens = ctx.inputs
+        return _rotate(ctx.call, grad_out, angles, start_positions, cu_seqlens, True), None, None, None, None, None
 
 
 class _RoPEQKFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, freqs32, start_positions, cu_seqlens, call, inplace):
+    def forward(ctx, q, k, angles, start_positions, cu_seqlens, call, inplace):
         ctx.call = call
-        ctx.inputs = (freqs32, start_positions, cu_seqlens)
-        qo, ko = _rotate_qk(call, q, k, freqs32, start_positions, cu_seqlens, False, inplace)
+        ctx.inputs = (angles, start_positions, cu_seqlens)
+        qo, ko = _rotate_qk(call, q, k, angles, start_positions, cu_seqlens, False, inplace)
         if inplace:
             ctx.mark_dirty(q, k)
         return qo, ko
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        freqs32, start_positions, cu_seqlens = ctx.inputs
-        gq, gk = _rotate_qk(ctx.call, grad_q, grad_k, freqs32, start_positions, cu_seqlens, True)
+        angles, start_positions, cu_seqlens = ctx.inputs
+        gq, gk = _rotate_qk(ctx.call, grad_q, grad_k, angles, start_positions, cu_seqlens, True)
         return gq, gk, None, None, None, None, None
 
 
@@ -157,10 +167,10 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
         check_inplace("t", t)
     if call.checks_values:
         check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
-    freqs32 = freqs if freqs.dtype == torch.float32 else freqs.float()
+    angles = angles_for(call, freqs)
     if t.requires_grad and torch.is_grad_enabled():
-        return _RoPEFunction.apply(t, freqs32, start_positions, cu_seqlens, call, inplace)
-    return _rotate(call, t, freqs32, start_positions, cu_seqlens, False, inplace)
+        return _RoPEFunction.apply(t, angles, start_positions, cu_seqlens, call, inplace)
+    return _rotate(call, t, angles, start_positions, cu_seqlens, False, inplace)
 
 
 def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -186,7 +196,7 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
         check_disjoint(q, k)
     if call.checks_values:
         check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
-    freqs32 = freqs if freqs.dtype == torch.float32 else freqs.float()
+    angles = angles_for(call, freqs)
     if (q.requires_grad or k.requires_grad) and torch.is_grad_enabled():
-        return _RoPEQKFunction.apply(q, k, freqs32, start_positions, cu_seqlens, call, inplace)
-    return _rotate_qk(call, q, k, freqs32, start_positions, cu_seqlens, False, inplace)
+        return _RoPEQKFunction.apply(q, k, angles, start_positions, cu_seqlens, call, inplace)
+    return _rotate_qk(call, q, k, angles, start_positions, cu_seqlens, False, inplace)

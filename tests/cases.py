@@ -55,6 +55,17 @@ def poison_outputs():
         yield
 
 
+@pytest.fixture(params=["table", "evaluated"])
+def angle_source(request):
+    """Both ways the kernel gets cos/sin: read from the table cached per `freqs` (the default), and
+    evaluated by the kernel itself (CUDA graph capture, inference tensors, tables switched off)."""
+    rope.set_angle_table(request.param == "table")
+    try:
+        yield request.param
+    finally:
+        rope.set_angle_table(True)
+
+
 def run_case(impl, case, t_base=None, freqs=None, g=None, backward=True, **kw):
     """(out, grad_t) of `impl` on a case; the input keeps the case's memory layout.
 

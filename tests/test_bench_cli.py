@@ -49,12 +49,12 @@ def test_smoke_run_end_to_end(tmp_path):
     assert kinds == {"t", "qk", "inplace"}
     for case in SMOKE_CASES:
         # each kind of case gets the implementations meant for it, and no others
-        want = {"t": {"ours", "ours_compiled", "reference", "compile", "te", "flash", "liger"},
+        want = {"t": {"ours", "ours_graph", "ours_compiled", "reference", "compile", "te", "flash", "liger"},
                 "qk": {"ours_qk", "ours_2x", "ours_compiled", "reference", "compile"},
                 "inplace": {"ours_inplace"}}[case.kind]
         got = {i for c, i in rows if c == case.name}
         assert got == want, (case.name, got)
-        for impl in ("ours", "ours_qk", "ours_2x", "ours_compiled", "reference", "compile"):
+        for impl in ("ours", "ours_graph", "ours_qk", "ours_2x", "ours_compiled", "reference", "compile"):
             if (case.name, impl) not in rows:
                 continue
             r = rows[(case.name, impl)]
@@ -496,3 +496,28 @@ def test_ours_compiled_runs_rope_through_its_custom_op(monkeypatch):
     bound = impl.bind(inputs, inputs.ts[0])
     bound.fn(*bound.xs)
     assert launched
+
+
+@pytest.mark.parametrize("name,table", [("ours", True), ("ours_graph", False)])
+def test_ours_times_the_eager_kernel_and_ours_graph_the_captured_one(monkeypatch, name, table):
+    """`ours` must time the kernel eager calls run (reading the cos/sin table), `ours_graph` the one
+    a user's graph capture runs (evaluating sin/cos); on a GPU both are timed by graph replay."""
+    import rope.functional
+
+    tables = []
+    real = rope.functional.run
+    monkeypatch.setattr(rope.functional, "run", lambda plan, p: (tables.append(plan.scalars[-1]), real(plan, p))[1])
+    inputs = make_inputs(Case("c_sbhd", "sbhd", 4, 2, 2, 16, "fp32"), DEVICE, n_sets=1, seed=8)
+    impl = peers.make_impls([name])[0]
+    bound = impl.bind(inputs, inputs.ts[0])
+    with torch.no_grad():
+        bound.fn(*bound.xs)  # eager warm-up: builds the table where one is used
+        if DEVICE == "cuda":
+            with impl.timing_context():
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    bound.fn(*bound.xs)
+        else:
+            with impl.timing_context():
+                bound.fn(*bound.xs)
+    assert tables == [table, table]

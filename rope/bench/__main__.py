@@ -50,8 +50,9 @@ def _list():
     for c in CASES + SMOKE_CASES:
         flag = "q" if "quick" in c.tags else "s" if c in SMOKE_CASES else " "
         print(f"  {flag} {c.name:<22} {c.fmt} {c.dtype:<4} {c.label:<48} {c.bytes_fwd / 1e6:9.2f} MB/call")
-    print("case kinds: one tensor (ours, ours_compiled, reference, compile, te, flash, liger); q and k (ours_qk, "
-          "ours_2x; ours_compiled, reference and compile as two calls); in place (ours_inplace, forward only)")
+    print("case kinds: one tensor (ours, ours_graph, ours_compiled, reference, compile, te, flash, liger); "
+          "q and k (ours_qk, ours_2x; ours_compiled, reference and compile as two calls); "
+          "in place (ours_inplace, forward only)")
     print("implementations: " + ", ".join(IMPL_NAMES))
 
 

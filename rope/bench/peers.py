@@ -12,6 +12,8 @@ Peers are imported lazily; one that is not installed is reported as skipped with
 Each implementation runs the kinds of case it is meant for (`kinds`); the others get no row.
 
 - ours       `rope.apply_rotary_pos_emb`, any format, float32 angles [s, 1, 1, d2].
+- ours_graph the same, with sin/cos evaluated in the kernel: what a user's CUDA graph capture
+             runs (`ours` reads a cos/sin table cached per `freqs`, which a capture may not).
 - ours_qk    `rope.apply_rotary_pos_emb_qk` on a qk case: q and k in one call (one launch each way).
 - ours_2x    the same qk case as two calls of `rope.apply_rotary_pos_emb`, q then k.
 - ours_inplace  `rope.apply_rotary_pos_emb(..., inplace=True)`, forward only under no_grad. `bind`
@@ -92,6 +94,10 @@ class Impl:
     def bind(self, inputs: CaseInputs, t: torch.Tensor, g: torch.Tensor | None = None) -> Bound:
         raise NotImplementedError
 
+    def timing_context(self):
+        """Context around this implementation's timed calls."""
+        return contextlib.nullcontext()
+
     def poison(self):
         """Context in which this implementation's outputs start as NaN (if it allows that)."""
         if self.launched_here:
@@ -117,10 +123,21 @@ class _TEStyle(Impl):
         return Bound([t], lambda x: [call(x)], None if g is None else [g], _first, _first, safe)
 
 
-class Ours(_TEStyle):
+class _OursEager:
+    """rope's eager path reads the cos/sin table cached per `freqs` (built by the warm-up). A user's
+    CUDA graph capture would evaluate sin/cos in the kernel instead (`ours_graph`); here the
+    capture that times the calls may read the prebuilt table, so replay times the eager kernel."""
+
+    def timing_context(self):
+        from .. import _table
+
+        return _table.prebuilt_in_capture()
+
+
+class Ours(_OursEager, _TEStyle):
     name, title = "ours", "rope (Triton)"
     launched_here = True
-    layout = "the case as given; float32 angles [s, 1, 1, d2]"
+    layout = "the case as given; float32 angles [s, 1, 1, d2] (cos/sin table cached per freqs tensor)"
 
     def _call(self, inputs):
         from .. import apply_rotary_pos_emb
@@ -130,13 +147,32 @@ class Ours(_TEStyle):
         return lambda x: apply_rotary_pos_emb(x, freqs, c.fmt, start, c.interleaved, cu_seqlens=cu)
 
 
+class OursGraph(Ours):
+    name, title = "ours_graph", "rope (Triton), as captured in a CUDA graph"
+    layout = "the case as given; sin/cos evaluated in the kernel, as under a user's graph capture"
+
+    def timing_context(self):
+        return contextlib.nullcontext()
+
+    def _call(self, inputs):
+        from .. import _table
+
+        call = super()._call(inputs)
+
+        def fn(x):
+            with _table.evaluated():
+                return call(x)
+
+        return fn
+
+
 class OursTwice(Ours):
     name, title = "ours_2x", "rope (Triton), two calls"
     layout = "q and k as given, one apply_rotary_pos_emb call each"
     kinds = frozenset({"qk"})
 
 
-class OursQK(Impl):
+class OursQK(_OursEager, Impl):
     name, title = "ours_qk", "rope (Triton), q and k in one call"
     launched_here = True
     layout = "q and k as given, one apply_rotary_pos_emb_qk call"
@@ -154,7 +190,7 @@ class OursQK(Impl):
         return Bound(list(t), fn, None if g is None else list(g), list, list)
 
 
-class OursInplace(Impl):
+class OursInplace(_OursEager, Impl):
     name, title = "ours_inplace", "rope (Triton), in place"
     layout = "the case as given, rotated in its own memory (a working copy of the input set)"
     kinds = frozenset({"inplace"})
@@ -426,10 +462,10 @@ class Liger(_Optional, Impl):
         )
 
 
-IMPL_NAMES = ("ours", "ours_qk", "ours_2x", "ours_inplace", "ours_compiled", "reference", "compile", "te", "flash",
-              "liger")
+IMPL_NAMES = ("ours", "ours_graph", "ours_qk", "ours_2x", "ours_inplace", "ours_compiled", "reference", "compile",
+              "te", "flash", "liger")
 # Ours: a failed check or an error in one of these makes the CLI exit non-zero.
-OURS = ("ours", "ours_qk", "ours_2x", "ours_inplace", "ours_compiled")
+OURS = ("ours", "ours_graph", "ours_qk", "ours_2x", "ours_inplace", "ours_compiled")
 
 
 def make_impls(names=None, compile_backend="inductor") -> list:
@@ -438,7 +474,7 @@ def make_impls(names=None, compile_backend="inductor") -> list:
     if unknown:
         raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(IMPL_NAMES)}")
     makers = {
-        "ours": Ours, "ours_qk": OursQK, "ours_2x": OursTwice, "ours_inplace": OursInplace,
+        "ours": Ours, "ours_graph": OursGraph, "ours_qk": OursQK, "ours_2x": OursTwice, "ours_inplace": OursInplace,
         "ours_compiled": lambda: OursCompiled(compile_backend),
         "reference": Reference, "compile": lambda: Compiled(compile_backend),
         "te": TransformerEngine, "flash": FlashAttention, "liger": Liger,

@@ -96,11 +96,12 @@ def run_impl(impl, inputs, ref, device, budget: Budget, copy_gbps: float, log) -
             row.update(status="check_failed", reason=chk.message)
             return row
         safe = impl.bind(inputs, inputs.ts[0]).graph_safe
-        fwd = gpu_time(_forward_calls(impl, inputs), device, budget, no_grad=True, graph=safe)
-        row["fwd"] = timing_dict(fwd, case.bytes_fwd, copy_gbps)
-        if impl.backward:
-            bwd = gpu_time(_backward_calls(impl, inputs), device, budget, graph=safe)
-            row["bwd"] = timing_dict(bwd, case.bytes_bwd, copy_gbps)
+        with impl.timing_context():
+            fwd = gpu_time(_forward_calls(impl, inputs), device, budget, no_grad=True, graph=safe)
+            row["fwd"] = timing_dict(fwd, case.bytes_fwd, copy_gbps)
+            if impl.backward:
+                bwd = gpu_time(_backward_calls(impl, inputs), device, budget, graph=safe)
+                row["bwd"] = timing_dict(bwd, case.bytes_bwd, copy_gbps)
         if case.small:
             row["host"] = host_costs(impl, inputs, device, budget)
     except Exception as exc:  # one broken implementation must not end the run

@@ -1,0 +1,163 @@
+"""The cos/sin table cached per `freqs` tensor (rope._table): reused exactly while it describes
+`freqs`, never stale, never used where it could not follow `freqs`, and equal to the kernel's own
+evaluation of sin/cos."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import rope
+import rope._table as table_mod
+from rope import reference
+
+from .cases import DEVICE, ON_GPU, gpu_only, make_freqs, make_t, run_both
+from .numerics import assert_within_rounding
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """Count the tables built (each is a cos and a sin over all of `freqs`)."""
+    made = []
+    real = table_mod._build
+    monkeypatch.setattr(table_mod, "_build", lambda *a: (made.append(a[0].shape), real(*a))[1])
+    table_mod._TABLES.clear()
+    yield made
+    table_mod._TABLES.clear()
+
+
+def _case(seed, s=6, b=2, h=3, d=16, d2=12, dtype=torch.float32, tensor_format="sbhd"):
+    gen = torch.Generator().manual_seed(seed)
+    t = make_t(tensor_format, s, b, h, d, dtype, gen)
+    freqs = make_freqs(s + 2, d2, gen)
+    g = torch.randn(t.shape, generator=gen).to(dtype).to(DEVICE)
+    return t, freqs, g, gen
+
+
+def _check(t, freqs, g, **kw):
+    out, grad, ref, ref_grad = run_both(t, freqs, g, **kw)
+    d2 = freqs.shape[-1]
+    assert_within_rounding(out, ref, t, d2, kw.get("interleaved", False), "forward")
+    assert_within_rounding(grad, ref_grad, g, d2, kw.get("interleaved", False), "backward")
+    return out
+
+
+def test_one_table_per_freqs_tensor(builds):
+    t, freqs, g, gen = _case(1)
+    for _ in range(3):  # every layer of a step: forward and backward read the same table
+        _check(t, freqs, g)
+    rope.apply_rotary_pos_emb_qk(t, t.clone(), freqs)
+    assert len(builds) == 1
+    half = freqs.to(torch.bfloat16)  # keyed by the tensor passed, not by its float32 copy
+    for _ in range(2):
+        _check(t, half, g)
+    assert len(builds) == 2
+
+
+def test_in_place_write_to_freqs_rebuilds(builds):
+    t, freqs, g, gen = _case(2)
+    _check(t, freqs, g)
+    freqs[1:4] += torch.rand(freqs[1:4].shape, generator=gen).to(DEVICE) + 0.5  # PyTorch bumps the version
+    _check(t, freqs, g)  # a stale table would rotate rows 1-3 by the old angles
+    assert len(builds) == 2
+    freqs.data = make_freqs(freqs.shape[0], freqs.shape[-1], gen)  # new storage, same object
+    _check(t, freqs, g)
+    assert len(builds) == 3
+
+
+def test_table_never_matches_another_tensor(builds):
+    """Entries are keyed by id(freqs); a new tensor that reuses a freed one's id must not get its
+    table, even at the same address and version (PyTorch's allocator reuses both)."""
+    t, first, g, gen = _case(3)
+    _check(t, first, g)
+    twin = first.detach()  # another tensor object: same address, same version counter
+    assert twin.data_ptr() == first.data_ptr() and twin._version == first._version
+    table_mod._TABLES[id(twin)] = table_mod._TABLES.pop(id(first))  # as if `first` had died
+    _check(t, twin, g)
+    assert len(builds) == 2
+    other = make_freqs(first.shape[0], first.shape[-1], gen)  # and new values at another address
+    table_mod._TABLES[id(other)] = table_mod._TABLES.pop(id(twin))
+    _check(t, other, g)
+    assert len(builds) == 3
+
+
+def test_table_is_freed_with_its_freqs(builds):
+    t, freqs, g, gen = _case(4)
+    _check(t, freqs, g)
+    key = id(freqs)
+    assert key in table_mod._TABLES
+    del freqs
+    gc.collect()
+    assert key not in table_mod._TABLES
+
+
+def test_no_table_for_inference_tensors_or_when_off(builds):
+    t, freqs, g, gen = _case(5)
+    with torch.inference_mode():  # no version counter: a table could not notice writes
+        frozen = freqs.clone()
+        out = rope.apply_rotary_pos_emb(t, frozen)
+    assert_within_rounding(out, reference.apply_rotary_pos_emb(t.double(), frozen), t, 12, False, "forward")
+    rope.set_angle_table(False)
+    try:
+        _check(t, freqs, g)
+    finally:
+        rope.set_angle_table(True)
+    assert builds == [] and not table_mod._TABLES
+
+
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
+def test_table_equals_evaluated(tensor_format, interleaved):
+    """Both paths rotate by float32 cos/sin of the same angles. On a GPU both are CUDA's cosf/sinf
+    and the rotation is the same code, so the results are bitwise equal. The interpreter evaluates
+    with numpy, the table with PyTorch's CPU functions: each within 1-2 float32 ulp of the exact
+    value, so the outputs agree to that relative error times the rotated values (float32 default
+    tolerances cover it)."""
+    t, freqs, g, gen = _case(6, s=8, h=5, d=40, d2=32, tensor_format=tensor_format)
+    kw = dict(tensor_format=tensor_format, interleaved=interleaved)
+    if tensor_format == "thd":
+        kw["cu_seqlens"] = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=DEVICE)
+    results = []
+    for enabled in (True, False):
+        rope.set_angle_table(enabled)
+        try:
+            x = t.clone().requires_grad_()
+            out = rope.apply_rotary_pos_emb(x, freqs, **kw)
+            out.backward(g)
+            results.append((out, x.grad))
+        finally:
+            rope.set_angle_table(True)
+    (out_t, grad_t), (out_e, grad_e) = results
+    if ON_GPU:
+        assert torch.equal(out_t, out_e) and torch.equal(grad_t, grad_e)
+    else:
+        torch.testing.assert_close(out_t, out_e)
+        torch.testing.assert_close(grad_t, grad_e)
+
+
+@gpu_only
+def test_graph_capture_follows_freqs(builds):
+    """A captured graph must read `freqs` as it is at each replay: a table built before the capture
+    would freeze the angles, so capture evaluates sin/cos in the kernel."""
+    t, freqs, g, gen = _case(7, s=32, b=2, h=4, d=64, d2=64)
+    stream = torch.cuda.Stream()  # warm-up (compiles the evaluating kernel) on a side stream
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        rope.set_angle_table(False)
+        try:
+            rope.apply_rotary_pos_emb(t, freqs)
+        finally:
+            rope.set_angle_table(True)
+    torch.cuda.current_stream().wait_stream(stream)
+    rope.apply_rotary_pos_emb(t, freqs)  # eager: builds the table for `freqs`
+    assert len(builds) == 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rope.apply_rotary_pos_emb(t, freqs)
+    new = make_freqs(freqs.shape[0], freqs.shape[-1], gen)
+    freqs.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_within_rounding(out, reference.apply_rotary_pos_emb(t.double(), new), t, 64, False, "forward")
+    assert len(builds) == 1
