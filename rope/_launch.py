@@ -31,10 +31,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _ROWS_HALFSPLIT = 8
 _ROWS_INTERLEAVED = 16
 _VECTORS_INTERLEAVED = 4
-# Kernel reading a cos/sin table (`rope._table`): nothing to amortise, so the widest tile one
-# 16-byte vector per thread allows, up to 8 warps and 32 rows (note 11).
-_TABLE_THREADS = 256
+# Kernel reading a cos/sin table (`rope._table`, note 11): no prologue to amortise, so tiles of up
+# to 2048 elements (32 rows) with 8 elements per thread, but at least 4 iterations per program so
+# that each SM still holds several programs whose loads overlap.
+_TABLE_TILE = 2048
+_TABLE_PER_THREAD = 8
 _TABLE_MAX_ROWS = 32
+_TABLE_MIN_ITERATIONS = 4
 # Programs wanted per SM before a group's rows are split over several programs.
 _PROGRAMS_PER_SM = 8
 
@@ -111,16 +114,22 @@ def _out_roles(x: torch.Tensor, tensor_format: str, inplace: bool) -> tuple:
     return (inner * row, row, d, 1) if tensor_format == "sbhd" else (row, outer * row, d, 1)
 
 
-def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int, table: bool = False):
+def _prev_power_of_2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int, rows_per_program: int = 0,
+          table: bool = False):
     """(BLOCK_R, BLOCK_HALF, BLOCK_TAIL, num_warps) by the rules above."""
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
     vec = 16 // element_size  # elements per 16-byte access
     if table:
-        widest = max(2 * block_half if interleaved else block_half, block_tail)
+        widest = max(block_half, block_tail)  # half-split only (functional.angles_for)
         block_r = min(triton.next_power_of_2(rows_per_group), _TABLE_MAX_ROWS,
-                      max(1, _TABLE_THREADS * vec // widest))
-        threads = block_r * widest // vec
+                      _prev_power_of_2(_TABLE_TILE // widest),
+                      _prev_power_of_2(rows_per_program // _TABLE_MIN_ITERATIONS))
+        threads = block_r * widest // _TABLE_PER_THREAD
     elif interleaved:
         widest = max(2 * block_half, block_tail)
         block_r = min(triton.next_power_of_2(rows_per_group), _ROWS_INTERLEAVED)
@@ -140,6 +149,18 @@ def _split(n_groups: int, rows: int, block_r: int, device) -> tuple:
         splits = min(_cdiv(target, max(n_groups, 1)), _cdiv(rows, block_r))
     rows_per_program = _cdiv(_cdiv(rows, splits), block_r) * block_r
     return _cdiv(rows, rows_per_program), rows_per_program
+
+
+def _tile_and_split(layout, interleaved, element_size, n_groups, widest_rows, rows, table, device):
+    """(tile, programs per group, rows per program). With a table the tile depends on the rows each
+    program gets, so the split is made first at the largest tile height (a multiple of every
+    smaller one)."""
+    if table:
+        splits, rows_per_program = _split(n_groups, rows, _TABLE_MAX_ROWS, device)
+        tile = _tile(layout.d, layout.rot_dim, interleaved, element_size, widest_rows, rows_per_program, True)
+        return tile, splits, rows_per_program
+    tile = _tile(layout.d, layout.rot_dim, interleaved, element_size, widest_rows)
+    return (tile, *_split(n_groups, rows, tile[0], device))
 
 
 def _groups(layout: Layout, tensor_format: str, has_start: bool, h: int):
@@ -169,8 +190,8 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
     """`angles`: float32 `freqs`, or its cos/sin table (3-D), as the kernel will read it."""
     table = angles.dim() == 3
     n_groups, rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
-    tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), rows, table)
-    splits, rows_per_program = _split(n_groups, rows, tile[0], x.device)
+    tile, splits, rows_per_program = _tile_and_split(layout, interleaved, x.element_size(), n_groups, rows, rows,
+                                                     table, x.device)
     scalars = (
         layout.h, layout.b, rows, rows_per_program, layout.s, layout.n_seqs, layout.freqs_len, cp_size, cp_rank,
         *_roles(x, tensor_format), *_out_roles(x, tensor_format, inplace), *_angle_strides(angles),
@@ -187,8 +208,8 @@ def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int,
     table = angles.dim() == 3
     n_groups, q_rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
     _, k_rows, _ = _groups(layout, tensor_format, has_start, k_heads)
-    tile = _tile(layout.d, layout.rot_dim, interleaved, q.element_size(), max(q_rows, k_rows), table)
-    splits, rows_per_program = _split(n_groups, q_rows + k_rows, tile[0], q.device)
+    tile, splits, rows_per_program = _tile_and_split(layout, interleaved, q.element_size(), n_groups,
+                                                     max(q_rows, k_rows), q_rows + k_rows, table, q.device)
     scalars = (
         layout.h, k_heads, layout.b, q_rows, k_rows, rows_per_program, layout.s, layout.n_seqs, layout.freqs_len,
         cp_size, cp_rank,

@@ -12,12 +12,16 @@ from ._validate import check_disjoint, check_inplace, check_pair, check_position
 class _Call:
     """What a call signature needs after its checks: the layout and the plans per direction/strides."""
 
-    __slots__ = ("layout", "args", "checks_values", "plans")
+    __slots__ = ("layout", "args", "checks_values", "reads_table", "plans")
 
     def __init__(self, layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank):
         self.layout = layout
         self.args = (tensor_format, interleaved, start_positions is not None, cp_size, cp_rank)
         self.checks_values = start_positions is not None or cu_seqlens is not None
+        # Where a cos/sin table is faster than evaluating (BENCHMARKS.md, note 11): groups that
+        # span the whole batch. thd (a binary search per token precedes the angles either way),
+        # start_positions (one group per (s, b)) and interleaved measured 1-7 % slower with it.
+        self.reads_table = tensor_format != "thd" and start_positions is None and not interleaved
         self.plans = {}
 
     def plan(self, x, angles, backward, inplace=False):
@@ -71,9 +75,10 @@ def _call_for(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens,
 def angles_for(call, freqs):
     """What the kernel reads for the angles: the cached cos/sin table of `freqs` (`rope._table`),
     or, where no table may be used, `freqs` itself as float32 (the kernel then evaluates sin/cos)."""
-    table = cos_sin_table(freqs, call.layout.freqs_len, call.layout.rot_dim)
-    if table is not None:
-        return table
+    if call.reads_table:
+        table = cos_sin_table(freqs, call.layout.freqs_len, call.layout.rot_dim)
+        if table is not None:
+            return table
     return freqs if freqs.dtype == torch.float32 else freqs.float()
 
 

@@ -106,18 +106,17 @@ def test_no_table_for_inference_tensors_or_when_off(builds):
     assert builds == [] and not table_mod._TABLES
 
 
-@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
-@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
-def test_table_equals_evaluated(tensor_format, interleaved):
+@pytest.mark.parametrize("kw", [dict(tensor_format="sbhd"), dict(tensor_format="bshd", cp_size=2, cp_rank=1)],
+                         ids=["sbhd", "bshd-cp"])
+@pytest.mark.parametrize("d2", [32, 12], ids=["full", "partial"])
+def test_table_equals_evaluated(kw, d2, builds):
     """Both paths rotate by float32 cos/sin of the same angles. On a GPU both are CUDA's cosf/sinf
     and the rotation is the same code, so the results are bitwise equal. The interpreter evaluates
     with numpy, the table with PyTorch's CPU functions: each within 1-2 float32 ulp of the exact
     value, so the outputs agree to that relative error times the rotated values (float32 default
     tolerances cover it)."""
-    t, freqs, g, gen = _case(6, s=8, h=5, d=40, d2=32, tensor_format=tensor_format)
-    kw = dict(tensor_format=tensor_format, interleaved=interleaved)
-    if tensor_format == "thd":
-        kw["cu_seqlens"] = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=DEVICE)
+    t, freqs, g, gen = _case(6, s=8, h=5, d=40, d2=d2, tensor_format=kw["tensor_format"])
+    freqs = make_freqs(16, d2, gen)  # cp_size 2: positions up to 2 * s
     results = []
     for enabled in (True, False):
         rope.set_angle_table(enabled)
@@ -128,12 +127,27 @@ def test_table_equals_evaluated(tensor_format, interleaved):
             results.append((out, x.grad))
         finally:
             rope.set_angle_table(True)
+    assert len(builds) == 1  # the first pass did read a table
     (out_t, grad_t), (out_e, grad_e) = results
     if ON_GPU:
         assert torch.equal(out_t, out_e) and torch.equal(grad_t, grad_e)
     else:
         torch.testing.assert_close(out_t, out_e)
         torch.testing.assert_close(grad_t, grad_e)
+
+
+@pytest.mark.parametrize("kw", [dict(tensor_format="thd"), dict(tensor_format="sbhd", interleaved=True),
+                                dict(tensor_format="bshd", start_positions=True)], ids=["thd", "interleaved", "start"])
+def test_no_table_where_evaluating_is_faster(kw, builds):
+    """thd, interleaved and start_positions evaluate sin/cos in the kernel (BENCHMARKS.md note 11)."""
+    fmt = kw["tensor_format"]
+    t, freqs, g, gen = _case(9, tensor_format=fmt)
+    if fmt == "thd":
+        kw["cu_seqlens"] = torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE)
+    if kw.get("start_positions"):
+        kw["start_positions"] = torch.tensor([0, 2], device=DEVICE)
+    _check(t, freqs, g, **kw)
+    assert builds == []
 
 
 @gpu_only
