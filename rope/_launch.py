@@ -222,11 +222,18 @@ def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int,
     return Plan(rope_qk_kernel, (n_groups, splits, 1), scalars, tile[3], q.device)
 
 
+def _hook_present(hook) -> bool:
+    # Triton >= 3.5 keeps an always-present chain of hooks (`HookChain`, empty unless a profiler
+    # adds one); older versions a callable or None.
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else hook is not None
+
+
 def _hooks_set() -> bool:
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None:  # older Triton keeps the hooks on CompiledKernel
         from triton.compiler import CompiledKernel as runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _hook_present(runtime.launch_enter_hook) or _hook_present(runtime.launch_exit_hook)
 
 
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None

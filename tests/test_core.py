@@ -270,3 +270,49 @@ def test_value_checks_run_once_per_unmodified_index_tensor(monkeypatch):
     assert first._version == other._version
     assert validate._still(validate._stamp(first), first)
     assert not validate._still(validate._stamp(first), other)
+
+
+def test_launch_hooks_are_detected():
+    """The direct launch skips Triton's launch hooks, so it is taken only while none is registered
+    (Triton >= 3.5 keeps an always-present, usually empty, chain of them)."""
+    import triton
+
+    import rope._launch as launch
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:
+        from triton.compiler import CompiledKernel as runtime
+    assert not launch._hooks_set()
+    hook = lambda *args, **kwargs: None  # noqa: E731
+    chain = runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert launch._hooks_set()
+        finally:
+            chain.remove(hook)
+    else:
+        runtime.launch_enter_hook = hook
+        try:
+            assert launch._hooks_set()
+        finally:
+            runtime.launch_enter_hook = chain
+    assert not launch._hooks_set()
+
+
+@gpu_only
+def test_repeated_calls_launch_directly(monkeypatch):
+    """After the first call of a signature, the compiled kernel's C launcher is called directly,
+    not through Triton's per-call runner (which costs several microseconds of host time)."""
+    from triton.compiler import CompiledKernel
+
+    gen = torch.Generator().manual_seed(11)
+    t = make_t("sbhd", 5, 2, 3, 16, torch.float32, gen)
+    freqs = make_freqs(5, 16, gen)
+    first = rope.apply_rotary_pos_emb(t, freqs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("went through Triton's runner")
+
+    monkeypatch.setattr(CompiledKernel, "__getitem__", refuse)
+    assert torch.equal(rope.apply_rotary_pos_emb(t, freqs), first)
