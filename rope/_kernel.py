@@ -9,6 +9,9 @@ Work decomposition. Tokens that share a position share their angles, so a progra
 sine and cosine computed once per program, then reused for every row (head, and batch entry
 where positions do not depend on it). Accurate float32 sin/cos cost tens of instructions; done
 once per element they would make the kernel compute-bound, done once per group they are free.
+Where a program loops over many rows (half-split sbhd/bshd without start_positions) they are
+instead read from a float32 table (TABLE, `rope._table`): no dependent prologue before the
+first load of `t`, so wider tiles pay (BENCHMARKS.md, note 11).
 
 - sbhd/bshd without start_positions: group = one s index, rows = all b*h (b, h) pairs.
 - sbhd/bshd with start_positions:    group = one (s, b) pair, rows = its h heads.
