@@ -66,6 +66,13 @@ def angle_source(request):
         rope.set_angle_table(True)
 
 
+def needs_angle_source(angle_source, tensor_format, interleaved=False, start_positions=False):
+    """Skip the table run of a case that never reads a table (rope.functional: half-split sbhd/bshd
+    without start_positions only): it would repeat the evaluated run exactly."""
+    if angle_source == "table" and (tensor_format == "thd" or interleaved or start_positions):
+        pytest.skip("no cos/sin table for this case: the evaluated run covers it")
+
+
 def run_case(impl, case, t_base=None, freqs=None, g=None, backward=True, **kw):
     """(out, grad_t) of `impl` on a case; the input keeps the case's memory layout.
 
