@@ -229,11 +229,18 @@ def _hook_present(hook) -> bool:
     return bool(calls) if calls is not None else hook is not None
 
 
-def _hooks_set() -> bool:
+def _hook_owner():
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None:  # older Triton keeps the hooks on CompiledKernel
         from triton.compiler import CompiledKernel as runtime
-    return _hook_present(runtime.launch_enter_hook) or _hook_present(runtime.launch_exit_hook)
+    return runtime
+
+
+_HOOK_OWNER = _hook_owner()  # resolved once; the hooks themselves are read on every launch
+
+
+def _hooks_set() -> bool:
+    return _hook_present(_HOOK_OWNER.launch_enter_hook) or _hook_present(_HOOK_OWNER.launch_exit_hook)
 
 
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None

@@ -90,7 +90,7 @@ def cos_sin_table(freqs: torch.Tensor, freqs_len: int, rot_dim: int):
     """The table for `freqs` (built on first use), or None where none may be used (see above)."""
     if not _ENABLED[0] or freqs.is_inference():
         return None
-    capturing = freqs.is_cuda and capturing_on(freqs.device.index)
+    capturing = freqs.is_cuda and capturing_on(freqs.get_device())
     if capturing and not _PREBUILT_IN_CAPTURE[0]:
         return None
     key = id(freqs)

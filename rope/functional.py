@@ -25,7 +25,9 @@ class _Call:
         self.plans = {}
 
     def plan(self, x, angles, backward, inplace=False):
-        key = (backward, inplace, x.stride(), x.data_ptr() % 16, angles.shape, angles.stride(), angles.data_ptr() % 16)
+        # The call's key fixes freqs.shape, hence the angle source's shape; angles.stride() has 4
+        # entries for `freqs` and 3 for its table, so it also tells the two sources apart.
+        key = (backward, inplace, x.stride(), x.data_ptr() % 16, angles.stride(), angles.data_ptr() % 16)
         plan = self.plans.get(key)
         if plan is None:
             fmt, interleaved, has_start, cp_size, cp_rank = self.args
@@ -36,7 +38,7 @@ class _Call:
 
     def qk_plan(self, q, k, k_heads, angles, backward, inplace=False):
         key = ("qk", backward, inplace, q.stride(), q.data_ptr() % 16, k.shape, k.stride(), k.data_ptr() % 16,
-               angles.shape, angles.stride(), angles.data_ptr() % 16)
+               angles.stride(), angles.data_ptr() % 16)
         plan = self.plans.get(key)
         if plan is None:
             fmt, interleaved, has_start, cp_size, cp_rank = self.args
