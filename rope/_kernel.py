@@ -4,20 +4,25 @@
 are the same helpers (position, angles, row loop), so they differ only in their arguments: Triton
 has no optional arguments, and the single-tensor launch should not pay for k's.
 
-Work decomposition. Tokens that share a position share their angles, so a program owns one
-*group* of rows with a common position and loops over them: the angles are loaded and their
-sine and cosine computed once per program, then reused for every row (head, and batch entry
-where positions do not depend on it). Accurate float32 sin/cos cost tens of instructions; done
-once per element they would make the kernel compute-bound, done once per group they are free.
-Where a program loops over many rows (half-split sbhd/bshd without start_positions) they are
-instead read from a float32 table (TABLE, `rope._table`): no dependent prologue before the
-first load of `t`, so wider tiles pay (BENCHMARKS.md, note 11).
-
+Work decomposition. Tokens that share a position share their angles: a *group* is a set of
+rows with one position, and a program handles a chunk of one group's rows (rows_per_program, a
+multiple of the tile height BLOCK_R).
 - sbhd/bshd without start_positions: group = one s index, rows = all b*h (b, h) pairs.
 - sbhd/bshd with start_positions:    group = one (s, b) pair, rows = its h heads.
 - thd:                               group = one token, rows = its h heads; its sequence is found
                                      by a binary search in cu_seqlens, so the grid is sized by tokens.
-Large groups are split over `program_id(1)` so that small s still fills the GPU.
+The grid is one-dimensional and its order follows memory: consecutive programs read neighbouring
+addresses, as a copy kernel does. Program `pid` takes row chunk `pid % inner` of a run of `inner`
+consecutive chunks, then the groups, then the runs (`inner` = chunks per group when a group's
+rows are contiguous, as in sbhd; chunks per b when they are not, as in bshd). Programs spaced by a
+group's stride instead (a 2-D grid, groups fastest) hit a few memory channels at a time: 5-15 %
+slower on an H200 (BENCHMARKS.md, note 13).
+
+Each program loads its first chunk of `t` *before* its angles (position, cos/sin), so the two
+round trips overlap, then loops over any further chunks. Where the angles are read from a float32
+cos/sin table (TABLE, `rope._table`: half-split sbhd/bshd without start_positions), a program is
+one small tile, as in a copy kernel. Where sin/cos are evaluated in the kernel, a program covers
+several tiles so that the accurate float32 sin/cos (tens of instructions) are amortised.
 
 Channels: the rotated part is handled as two [rows, d2/2] halves `a` and `b` = partner(a):
 half-split reads them as two contiguous slices; interleaved reads one contiguous [rows, d2] slice
@@ -37,8 +42,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_row_chunk(ptr, row_off, cols, stride_d, mask):
-    return tl.load(ptr + row_off[:, None] + cols[None, :] * stride_d, mask=mask)
+def _tile_ptrs(rp_q, rp_k, in_q, cols, sd_q, sd_k):
+    """Pointers of a [rows, cols] tile whose rows start at rp_q where in_q, else at rp_k (the q+k
+    kernel; the single-tensor kernel passes the same rows twice). The choice is made on the 2-D
+    pointers, not on the row starts: then the compiler still sees each row's columns as contiguous
+    and aligned, and keeps 16-byte accesses."""
+    return tl.where(in_q[:, None], rp_q[:, None] + cols[None, :] * sd_q, rp_k[:, None] + cols[None, :] * sd_k)
 
 
 @triton.jit
@@ -73,12 +82,15 @@ def _pin(v, PIN: tl.constexpr):
 
 
 @triton.jit
-def _group(n_batch, GROUP_PER_BATCH: tl.constexpr):
-    """(s index, b index) of this program's group of rows that share one position."""
-    group = tl.program_id(0).to(tl.int64)
+def _program(n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr):
+    """(s index, b index, row chunk) of this program, in the memory order described above."""
+    pid = tl.program_id(0).to(tl.int64)
+    run = pid // inner
+    group = run % n_groups
+    chunk = (run // n_groups) * inner + pid % inner
     if GROUP_PER_BATCH:
-        return group // n_batch, group % n_batch
-    return group, group * 0
+        return group // n_batch, group % n_batch, chunk
+    return group, group * 0, chunk
 
 
 @triton.jit
@@ -158,66 +170,105 @@ def _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd,
 
 
 @triton.jit
-def _rotate_rows(x_ptr, out_ptr, x_base, o_base, r_begin, r_end, n_heads,
-                 stride_xb, stride_xh, stride_xd, stride_ob, stride_oh, stride_od,
-                 cos_a, cos_b, sin_a, sin_b,
-                 HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-                 GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr, INPLACE: tl.constexpr):
-    """Rotate rows [r_begin, r_end) of one group with the group's cos/sin factors."""
+def _row_offsets(x_base, o_base, rows, n_heads, stride_xb, stride_xh, stride_ob, stride_oh,
+                 GROUP_PER_BATCH: tl.constexpr):
+    """Offsets of a group's `rows` in x and in out (rows are (b, h) pairs, or heads)."""
+    if GROUP_PER_BATCH:
+        return x_base + rows * stride_xh, o_base + rows * stride_oh
+    b_of_row = rows // n_heads
+    h_of_row = rows % n_heads
+    return (x_base + b_of_row * stride_xb + h_of_row * stride_xh,
+            o_base + b_of_row * stride_ob + h_of_row * stride_oh)
+
+
+@triton.jit
+def _chunk(x_ptr, out_ptr, x_base, o_base, r0, r_end, n_heads, stride_xb, stride_xh, stride_ob, stride_oh,
+           GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Row pointers of rows [r0, r0 + BLOCK_R) of a group in x and in out, and which rows exist."""
+    rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+    x_row, o_row = _row_offsets(x_base, o_base, rows, n_heads, stride_xb, stride_xh, stride_ob, stride_oh,
+                                GROUP_PER_BATCH)
+    return x_ptr + x_row, out_ptr + o_row, rows < r_end
+
+
+@triton.jit
+def _qk_chunk(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0, r_end, q_rows, q_heads, k_heads,
+              stride_qb, stride_qh, stride_qd, stride_qob, stride_qoh, stride_qod,
+              stride_kb, stride_kh, stride_kd, stride_kob, stride_koh, stride_kod,
+              GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr):
+    """`_chunk` for a group's joint rows, q's then k's: each row is in q (in_q) or in k, so one tile
+    may hold rows of both. Row starts in q and in k (the one not taken is never dereferenced)."""
+    rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+    in_q = rows < q_rows
+    q_row, qo_row = _row_offsets(q_base, qo_base, rows, q_heads, stride_qb, stride_qh, stride_qob, stride_qoh,
+                                 GROUP_PER_BATCH)
+    k_row, ko_row = _row_offsets(k_base, ko_base, rows - q_rows, k_heads, stride_kb, stride_kh, stride_kob,
+                                 stride_koh, GROUP_PER_BATCH)
+    return q_ptr + q_row, k_ptr + k_row, qo_ptr + qo_row, ko_ptr + ko_row, in_q, rows < r_end
+
+
+@triton.jit
+def _load_chunk(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+                INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                BLOCK_TAIL: tl.constexpr, INPLACE: tl.constexpr):
+    """The chunk's channels a and b = partner(a) as float32, and its pass-through tail (t's dtype).
+
+    The tail is loaded with the rotated channels, not after their stores: one round trip per
+    chunk instead of two (rot_dim 64 of 128: 71 % -> 83 % of copy on an H200). In place it is
+    already where it belongs and is neither loaded nor stored.
+    """
     k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
-    r = tl.arange(0, BLOCK_R)
-    out_ty = out_ptr.dtype.element_ty
-    for r0 in range(r_begin, r_end, BLOCK_R):
-        rows = (r0 + r).to(tl.int64)
-        r_ok = rows < r_end
-        if GROUP_PER_BATCH:
-            x_row = x_base + rows * stride_xh
-            o_row = o_base + rows * stride_oh
-        else:
-            b_of_row = rows // n_heads
-            h_of_row = rows % n_heads
-            x_row = x_base + b_of_row * stride_xb + h_of_row * stride_xh
-            o_row = o_base + b_of_row * stride_ob + h_of_row * stride_oh
-        if INTERLEAVED:
-            cols = tl.arange(0, 2 * BLOCK_HALF)
-            m = r_ok[:, None] & (cols < ROT_DIM)[None, :]
-            x = _load_row_chunk(x_ptr, x_row, cols, stride_xd, m).to(tl.float32)
-            xa, xb = tl.split(tl.reshape(x, (BLOCK_R, BLOCK_HALF, 2)))
-        else:
-            m = r_ok[:, None] & k_ok[None, :]
-            xa = _load_row_chunk(x_ptr, x_row, col_a, stride_xd, m).to(tl.float32)
-            xb = _load_row_chunk(x_ptr, x_row, col_b, stride_xd, m).to(tl.float32)
-        if BLOCK_TAIL > 0 and not INPLACE:  # in place, the pass-through channels are already there
-            # Loaded with the rotated channels, not after their stores: one round trip per chunk
-            # instead of two (rot_dim 64 of 128: 71 % -> 83 % of copy on an H200).
-            t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
-            mt = r_ok[:, None] & (t_cols < HEAD_DIM)[None, :]
-            tail = _load_row_chunk(x_ptr, x_row, t_cols, stride_xd, mt)
-        out_a = xa * cos_a - xb * sin_a
-        out_b = xb * cos_b + xa * sin_b
-        if INPLACE:
-            # Every element this program stores was loaded by it, but a layout wider than the tile
-            # gives some elements to several threads: without the barrier one thread could store
-            # the rotated value before another loads the original (the race of the seed study).
-            tl.debug_barrier()
-        if INTERLEAVED:
-            y = tl.reshape(tl.join(out_a, out_b), (BLOCK_R, 2 * BLOCK_HALF))
-            tl.store(out_ptr + o_row[:, None] + cols[None, :] * stride_od, _to_output(y, out_ty, RNE_BF16),
-                     mask=m)
-        else:
-            tl.store(out_ptr + o_row[:, None] + col_a[None, :] * stride_od, _to_output(out_a, out_ty, RNE_BF16),
-                     mask=m)
-            tl.store(out_ptr + o_row[:, None] + col_b[None, :] * stride_od, _to_output(out_b, out_ty, RNE_BF16),
-                     mask=m)
-        if BLOCK_TAIL > 0 and not INPLACE:
-            tl.store(out_ptr + o_row[:, None] + t_cols[None, :] * stride_od, tail, mask=mt)
+    if INTERLEAVED:
+        cols = tl.arange(0, 2 * BLOCK_HALF)
+        x = tl.load(_tile_ptrs(rp_q, rp_k, in_q, cols, sd_q, sd_k), mask=r_ok[:, None] & (cols < ROT_DIM)[None, :])
+        x = x.to(tl.float32)
+        xa, xb = tl.split(tl.reshape(x, (BLOCK_R, BLOCK_HALF, 2)))
+    else:
+        m = r_ok[:, None] & k_ok[None, :]
+        xa = tl.load(_tile_ptrs(rp_q, rp_k, in_q, col_a, sd_q, sd_k), mask=m).to(tl.float32)
+        xb = tl.load(_tile_ptrs(rp_q, rp_k, in_q, col_b, sd_q, sd_k), mask=m).to(tl.float32)
+    if BLOCK_TAIL > 0 and not INPLACE:
+        t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+        tail = tl.load(_tile_ptrs(rp_q, rp_k, in_q, t_cols, sd_q, sd_k),
+                       mask=r_ok[:, None] & (t_cols < HEAD_DIM)[None, :])
+    else:
+        tail = xa  # no tail: never stored
+    return xa, xb, tail
+
+
+@triton.jit
+def _store_chunk(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+                 RNE_BF16: tl.constexpr, INPLACE: tl.constexpr):
+    """Rotate a loaded chunk and store it, and its tail."""
+    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
+    out_a = xa * cos_a - xb * sin_a
+    out_b = xb * cos_b + xa * sin_b
+    if INPLACE:
+        # Every element this program stores was loaded by it, but a layout wider than the tile
+        # gives some elements to several threads: without the barrier one thread could store
+        # the rotated value before another loads the original (the race of the seed study).
+        tl.debug_barrier()
+    if INTERLEAVED:
+        cols = tl.arange(0, 2 * BLOCK_HALF)
+        y = tl.reshape(tl.join(out_a, out_b), (BLOCK_R, 2 * BLOCK_HALF))
+        tl.store(_tile_ptrs(rp_q, rp_k, in_q, cols, sd_q, sd_k), _to_output(y, out_ty, RNE_BF16),
+                 mask=r_ok[:, None] & (cols < ROT_DIM)[None, :])
+    else:
+        m = r_ok[:, None] & k_ok[None, :]
+        tl.store(_tile_ptrs(rp_q, rp_k, in_q, col_a, sd_q, sd_k), _to_output(out_a, out_ty, RNE_BF16), mask=m)
+        tl.store(_tile_ptrs(rp_q, rp_k, in_q, col_b, sd_q, sd_k), _to_output(out_b, out_ty, RNE_BF16), mask=m)
+    if BLOCK_TAIL > 0 and not INPLACE:
+        t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+        tl.store(_tile_ptrs(rp_q, rp_k, in_q, t_cols, sd_q, sd_k), tail,
+                 mask=r_ok[:, None] & (t_cols < HEAD_DIM)[None, :])
 
 
 @triton.jit
 def rope_kernel(
     x_ptr, out_ptr, freqs_ptr, start_ptr, cu_ptr,
-    n_heads, n_batch, rows_per_group, rows_per_program,
+    n_heads, n_batch, rows_per_group, rows_per_program, n_groups, inner,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank,
     stride_xs, stride_xb, stride_xh, stride_xd,
     stride_os, stride_ob, stride_oh, stride_od,
@@ -228,22 +279,35 @@ def rope_kernel(
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr,
 ):
-    s_idx, b_idx = _group(n_batch, GROUP_PER_BATCH)
+    s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH)
+    r_begin = chunk * rows_per_program
+    r_end = tl.minimum(r_begin + rows_per_program, rows_per_group)
+    x_base = s_idx * stride_xs + b_idx * stride_xb
+    o_base = s_idx * stride_os + b_idx * stride_ob
+    out_ty = out_ptr.dtype.element_ty
+    # First chunk before the angles: its loads are in flight while they are found.
+    x_rp, o_rp, r_ok = _chunk(x_ptr, out_ptr, x_base, o_base, r_begin, r_end, n_heads, stride_xb, stride_xh,
+                              stride_ob, stride_oh, GROUP_PER_BATCH, BLOCK_R)
+    xa, xb, tail = _load_chunk(x_rp, x_rp, r_ok, r_ok, stride_xd, stride_xd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
+                               BLOCK_HALF, BLOCK_TAIL, INPLACE)
     pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP)
     cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
                                          BACKWARD, BLOCK_HALF, PIN, TABLE)
-    r_begin = tl.program_id(1) * rows_per_program
-    r_end = tl.minimum(r_begin + rows_per_program, rows_per_group)
-    _rotate_rows(x_ptr, out_ptr, s_idx * stride_xs + b_idx * stride_xb, s_idx * stride_os + b_idx * stride_ob,
-                 r_begin, r_end, n_heads, stride_xb, stride_xh, stride_xd, stride_ob, stride_oh, stride_od,
-                 cos_a, cos_b, sin_a, sin_b, HEAD_DIM, ROT_DIM, INTERLEAVED, GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF,
-                 BLOCK_TAIL, RNE_BF16, INPLACE)
+    _store_chunk(o_rp, o_rp, r_ok, r_ok, stride_od, stride_od, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
+                 HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
+    for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
+        x_rp, o_rp, r_ok = _chunk(x_ptr, out_ptr, x_base, o_base, r0, r_end, n_heads, stride_xb, stride_xh,
+                                  stride_ob, stride_oh, GROUP_PER_BATCH, BLOCK_R)
+        xa, xb, tail = _load_chunk(x_rp, x_rp, r_ok, r_ok, stride_xd, stride_xd, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                                   BLOCK_R, BLOCK_HALF, BLOCK_TAIL, INPLACE)
+        _store_chunk(o_rp, o_rp, r_ok, r_ok, stride_od, stride_od, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
+                     HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
 
 
 @triton.jit
 def rope_qk_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, start_ptr, cu_ptr,
-    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program,
+    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank,
     stride_qs, stride_qb, stride_qh, stride_qd,
     stride_qos, stride_qob, stride_qoh, stride_qod,
@@ -258,19 +322,34 @@ def rope_qk_kernel(
 ):
     """q and k of one layer in one launch: a group's angles are read and evaluated once for both.
 
-    The group's rows are q's rows followed by k's; program_id(1) splits that joint row range.
+    The group's rows are q's rows followed by k's, and a tile's rows point into either (`_qk_chunk`),
+    so this is `rope_kernel` over the joint rows.
     """
-    s_idx, b_idx = _group(n_batch, GROUP_PER_BATCH)
+    s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH)
+    r_begin = chunk * rows_per_program
+    r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
+    q_base = s_idx * stride_qs + b_idx * stride_qb
+    qo_base = s_idx * stride_qos + b_idx * stride_qob
+    k_base = s_idx * stride_ks + b_idx * stride_kb
+    ko_base = s_idx * stride_kos + b_idx * stride_kob
+    out_ty = qo_ptr.dtype.element_ty
+    xq, xk, oq, ok, in_q, r_ok = _qk_chunk(
+        q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin, r_end, q_rows, q_heads, k_heads,
+        stride_qb, stride_qh, stride_qd, stride_qob, stride_qoh, stride_qod,
+        stride_kb, stride_kh, stride_kd, stride_kob, stride_koh, stride_kod, GROUP_PER_BATCH, BLOCK_R)
+    xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
+                               BLOCK_HALF, BLOCK_TAIL, INPLACE)
     pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP)
     cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
                                          BACKWARD, BLOCK_HALF, PIN, TABLE)
-    r_begin = tl.program_id(1) * rows_per_program
-    r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
-    _rotate_rows(q_ptr, qo_ptr, s_idx * stride_qs + b_idx * stride_qb, s_idx * stride_qos + b_idx * stride_qob,
-                 r_begin, tl.minimum(r_end, q_rows), q_heads, stride_qb, stride_qh, stride_qd,
-                 stride_qob, stride_qoh, stride_qod, cos_a, cos_b, sin_a, sin_b, HEAD_DIM, ROT_DIM, INTERLEAVED,
-                 GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
-    _rotate_rows(k_ptr, ko_ptr, s_idx * stride_ks + b_idx * stride_kb, s_idx * stride_kos + b_idx * stride_kob,
-                 tl.maximum(r_begin, q_rows) - q_rows, r_end - q_rows, k_heads, stride_kb, stride_kh, stride_kd,
-                 stride_kob, stride_koh, stride_kod, cos_a, cos_b, sin_a, sin_b, HEAD_DIM, ROT_DIM, INTERLEAVED,
-                 GROUP_PER_BATCH, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
+    _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
+                 HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
+    for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
+        xq, xk, oq, ok, in_q, r_ok = _qk_chunk(
+            q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0, r_end, q_rows, q_heads, k_heads,
+            stride_qb, stride_qh, stride_qd, stride_qob, stride_qoh, stride_qod,
+            stride_kb, stride_kh, stride_kd, stride_kob, stride_koh, stride_kod, GROUP_PER_BATCH, BLOCK_R)
+        xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                                   BLOCK_R, BLOCK_HALF, BLOCK_TAIL, INPLACE)
+        _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
+                     HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)

@@ -20,24 +20,23 @@ from ._validate import Layout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Tile shape, from sweeps on an H200 (BENCHMARKS.md). Kernel evaluating sin/cos itself: 8 rows
-# per loop iteration (16 for interleaved, whose single full-width tile is split in registers) and
-# as many warps as give every thread one 16-byte vector of the *widest* of the tiles (each half of
-# the rotated channels, the pass-through tail); wider tiles lose to its sin/cos prologue. With
-# partial rotary the narrow rotated halves then get 4-8 bytes per thread, but the program keeps
-# enough loads in flight: rot_dim 64 of 128 went from 69 % of copy (sized by the narrowest tile,
-# 1 warp) to 83 % (2 warps). A register prefetch of the next chunk, or one chunk per program, did
-# not help (within 1-2 %, often worse).
+# Tiles and program sizes, from sweeps on an H200 (BENCHMARKS.md, notes 11 and 13).
+# Kernel evaluating sin/cos itself: 8-row tiles (16 for interleaved, whose single full-width tile
+# is split in registers), with as many warps as give every thread one 16-byte vector of the
+# *widest* tile (each half of the rotated channels, the pass-through tail). A program covers
+# several tiles so that its sin/cos are amortised: 16 rows for 16-bit types in groups that span
+# the batch (Llama bf16: 86 -> 91 % of copy, interleaved 88 -> 92 %); otherwise whole groups,
+# split only until the GPU has enough programs (float32 lost 10-20 points at 16 or 32 rows, and a
+# thd token, whose binary search precedes its angles, 8 points at 16 rows).
 _ROWS_HALFSPLIT = 8
 _ROWS_INTERLEAVED = 16
 _VECTORS_INTERLEAVED = 4
-# Kernel reading a cos/sin table (`rope._table`, note 11): no prologue to amortise, so tiles of up
-# to 2048 elements (32 rows) with 8 elements per thread, but at least 4 iterations per program so
-# that each SM still holds several programs whose loads overlap.
-_TABLE_TILE = 2048
-_TABLE_PER_THREAD = 8
-_TABLE_MAX_ROWS = 32
-_TABLE_MIN_ITERATIONS = 4
+_EVAL_ROWS_16BIT = 16
+# Kernel reading a cos/sin table (`rope._table`): nothing to amortise, so a program is one tile of
+# 8 rows with 32 bytes of each row-half per thread, like a copy kernel's (headline bf16 90 -> 96 %
+# of copy; larger tiles or several per program were 1-15 points slower).
+_TABLE_ROWS = 8
+_TABLE_BYTES_PER_THREAD = 32
 # Programs wanted per SM before a group's rows are split over several programs.
 _PROGRAMS_PER_SM = 8
 
@@ -118,18 +117,15 @@ def _prev_power_of_2(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int, rows_per_program: int = 0,
-          table: bool = False):
+def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int, table: bool):
     """(BLOCK_R, BLOCK_HALF, BLOCK_TAIL, num_warps) by the rules above."""
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
     vec = 16 // element_size  # elements per 16-byte access
     if table:
         widest = max(block_half, block_tail)  # half-split only (functional.angles_for)
-        block_r = min(triton.next_power_of_2(rows_per_group), _TABLE_MAX_ROWS,
-                      _prev_power_of_2(_TABLE_TILE // widest),
-                      _prev_power_of_2(rows_per_program // _TABLE_MIN_ITERATIONS))
-        threads = block_r * widest // _TABLE_PER_THREAD
+        block_r = min(triton.next_power_of_2(rows_per_group), _TABLE_ROWS)
+        threads = block_r * widest * element_size // _TABLE_BYTES_PER_THREAD
     elif interleaved:
         widest = max(2 * block_half, block_tail)
         block_r = min(triton.next_power_of_2(rows_per_group), _ROWS_INTERLEAVED)
@@ -141,26 +137,30 @@ def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group:
     return block_r, block_half, block_tail, max(1, min(8, threads // 32))
 
 
-def _split(n_groups: int, rows: int, block_r: int, device) -> tuple:
-    """(programs per group, rows per program): split groups' rows until the GPU has enough programs."""
-    target = _PROGRAMS_PER_SM * _sm_count(device)
-    splits = 1
-    if n_groups < target:
-        splits = min(_cdiv(target, max(n_groups, 1)), _cdiv(rows, block_r))
-    rows_per_program = _cdiv(_cdiv(rows, splits), block_r) * block_r
-    return _cdiv(rows, rows_per_program), rows_per_program
-
-
-def _tile_and_split(layout, interleaved, element_size, n_groups, widest_rows, rows, table, device):
-    """(tile, programs per group, rows per program). With a table the tile depends on the rows each
-    program gets, so the split is made first at the largest tile height (a multiple of every
-    smaller one)."""
+def _rows_per_program(n_groups: int, rows: int, block_r: int, spans_batch: bool, element_size: int, table: bool,
+                      device) -> int:
+    """Rows of a group per program (a multiple of block_r) by the rules above."""
     if table:
-        splits, rows_per_program = _split(n_groups, rows, _TABLE_MAX_ROWS, device)
-        tile = _tile(layout.d, layout.rot_dim, interleaved, element_size, widest_rows, rows_per_program, True)
-        return tile, splits, rows_per_program
-    tile = _tile(layout.d, layout.rot_dim, interleaved, element_size, widest_rows)
-    return (tile, *_split(n_groups, rows, tile[0], device))
+        return block_r
+    if spans_batch and element_size <= 2:
+        return _cdiv(_EVAL_ROWS_16BIT, block_r) * block_r
+    target = _PROGRAMS_PER_SM * _sm_count(device)
+    splits = min(_cdiv(target, max(n_groups, 1)), _cdiv(rows, block_r)) if n_groups < target else 1
+    return _cdiv(_cdiv(rows, splits), block_r) * block_r
+
+
+def _inner(roles: tuple, spans_batch: bool, n_batch: int, heads: int, rows_per_program: int, chunks: int) -> int:
+    """Chunks of a group's rows that lie next to each other in memory (the kernel's `inner`).
+
+    A group's rows are contiguous unless it spans the batch and the batch stride exceeds the
+    sequence stride (bshd): then only the chunks of one batch entry are, if they tile its `heads`
+    rows (0: the rows form no such runs). Any value that divides `chunks` is correct."""
+    stride_s, stride_b = roles[0], roles[1]
+    if not spans_batch or n_batch == 1 or stride_b <= stride_s:
+        return chunks
+    if rows_per_program < heads and heads % rows_per_program == 0:
+        return heads // rows_per_program
+    return 1
 
 
 def _groups(layout: Layout, tensor_format: str, has_start: bool, h: int):
@@ -190,15 +190,19 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
     """`angles`: float32 `freqs`, or its cos/sin table (3-D), as the kernel will read it."""
     table = angles.dim() == 3
     n_groups, rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
-    tile, splits, rows_per_program = _tile_and_split(layout, interleaved, x.element_size(), n_groups, rows, rows,
-                                                     table, x.device)
+    spans_batch = not per_batch and tensor_format != "thd"
+    tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), rows, table)
+    rows_per_program = _rows_per_program(n_groups, rows, tile[0], spans_batch, x.element_size(), table, x.device)
+    chunks = _cdiv(rows, rows_per_program)
+    roles = _roles(x, tensor_format)
+    inner = _inner(roles, spans_batch, layout.b, layout.h, rows_per_program, chunks)
     scalars = (
-        layout.h, layout.b, rows, rows_per_program, layout.s, layout.n_seqs, layout.freqs_len, cp_size, cp_rank,
-        *_roles(x, tensor_format), *_out_roles(x, tensor_format, inplace), *_angle_strides(angles),
+        layout.h, layout.b, rows, rows_per_program, n_groups, inner, layout.s, layout.n_seqs, layout.freqs_len,
+        cp_size, cp_rank, *roles, *_out_roles(x, tensor_format, inplace), *_angle_strides(angles),
         *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, x.dtype,
                      inplace, table),
     )
-    return Plan(rope_kernel, (n_groups, splits, 1), scalars, tile[3], x.device)
+    return Plan(rope_kernel, (n_groups * chunks, 1, 1), scalars, tile[3], x.device)
 
 
 def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int, tensor_format: str,
@@ -208,18 +212,24 @@ def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int,
     table = angles.dim() == 3
     n_groups, q_rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
     _, k_rows, _ = _groups(layout, tensor_format, has_start, k_heads)
-    tile, splits, rows_per_program = _tile_and_split(layout, interleaved, q.element_size(), n_groups,
-                                                     max(q_rows, k_rows), q_rows + k_rows, table, q.device)
+    spans_batch = not per_batch and tensor_format != "thd"
+    tile = _tile(layout.d, layout.rot_dim, interleaved, q.element_size(), max(q_rows, k_rows), table)
+    rows_per_program = _rows_per_program(n_groups, q_rows + k_rows, tile[0], spans_batch, q.element_size(), table,
+                                         q.device)
+    chunks = _cdiv(q_rows + k_rows, rows_per_program)
+    roles = _roles(q, tensor_format)
+    # The joint rows (q's b x h, then k's) hold no run of one batch entry's heads: heads=0.
+    inner = _inner(roles, spans_batch, layout.b, 0, rows_per_program, chunks)
     scalars = (
-        layout.h, k_heads, layout.b, q_rows, k_rows, rows_per_program, layout.s, layout.n_seqs, layout.freqs_len,
-        cp_size, cp_rank,
-        *_roles(q, tensor_format), *_out_roles(q, tensor_format, inplace),
+        layout.h, k_heads, layout.b, q_rows, k_rows, rows_per_program, n_groups, inner, layout.s, layout.n_seqs,
+        layout.freqs_len, cp_size, cp_rank,
+        *roles, *_out_roles(q, tensor_format, inplace),
         *_roles(k, tensor_format), *_out_roles(k, tensor_format, inplace),
         *_angle_strides(angles),
         *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, q.dtype,
                      inplace, table),
     )
-    return Plan(rope_qk_kernel, (n_groups, splits, 1), scalars, tile[3], q.device)
+    return Plan(rope_qk_kernel, (n_groups * chunks, 1, 1), scalars, tile[3], q.device)
 
 
 def _hook_present(hook) -> bool:

@@ -282,6 +282,42 @@ def test_value_checks_run_once_per_unmodified_index_tensor(monkeypatch):
     assert not validate._still(validate._stamp(first), other)
 
 
+# The launcher's 1-D program order (rope._kernel, "Work decomposition"): `inner`, the number of a
+# group's row chunks that are adjacent in memory, for layouts with several chunks per group.
+# "chunks": all of a group's chunks (its rows are contiguous). Every output element must be
+# written exactly right whatever the order, so each case also runs against the reference.
+@pytest.mark.parametrize("tensor_format,b,h,dtype,source,inner", [
+    ("sbhd", 3, 5, torch.float32, "table", "chunks"),  # 15 rows in chunks of 8
+    ("bshd", 3, 16, torch.float32, "table", 2),  # two 8-row chunks per batch entry
+    ("bshd", 3, 12, torch.float32, "table", 1),  # 8 does not divide 12: no runs
+    ("bshd", 2, 32, torch.bfloat16, "evaluated", 2),  # 16-bit, evaluated: 16 rows per program
+    ("bshd", 1, 20, torch.float32, "table", "chunks"),  # one batch entry: contiguous rows
+])
+def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inner, poison_outputs):  # noqa: F811
+    from rope import _launch, _table
+    from rope._validate import check_static
+
+    gen = torch.Generator().manual_seed(b * h)
+    s, d = 3, 8
+    t = make_t(tensor_format, s, b, h, d, dtype, gen)
+    freqs = make_freqs(s, d, gen)
+    g = torch.randn(t.shape, generator=gen).to(dtype).to(DEVICE)
+    layout = check_static(t, freqs, tensor_format, None, False, None, 1, 0, allow_float64=False)
+    angles = _table._build(freqs, s, d) if source == "table" else freqs
+    plan = _launch.make_plan(t, layout, tensor_format, False, False, 1, 0, angles, backward=False)
+    n_groups, got_inner = plan.scalars[4], plan.scalars[5]
+    chunks = plan.grid[0] // n_groups
+    assert chunks > 1 and chunks % got_inner == 0
+    assert got_inner == (chunks if inner == "chunks" else inner)
+    rope.set_angle_table(source == "table")
+    try:
+        out, grad, ref, ref_grad = run_both(t, freqs, g, tensor_format=tensor_format)
+    finally:
+        rope.set_angle_table(True)
+    assert_within_rounding(out, ref, t, d, False, "forward")
+    assert_within_rounding(grad, ref_grad, g, d, False, "backward")
+
+
 def test_launch_hooks_are_detected():
     """The direct launch skips Triton's launch hooks, so it is taken only while none is registered
     (Triton >= 3.5 keeps an always-present, usually empty, chain of them)."""

@@ -66,7 +66,7 @@ VARIANTS = [
     ("partial 64/128 bf16", dict(d2=64, num_warps=2)),
     ("thd + start_positions", dict(thd=True, start=True)),
     ("in place, cp", dict(inplace=True, cp=True)),
-    ("table, half-split bf16 d128", dict(table=True, block_r=16, num_warps=4)),
+    ("table, half-split bf16 d128", dict(table=True, block_r=8, num_warps=1)),
 ]
 
 
