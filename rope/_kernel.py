@@ -83,14 +83,18 @@ def _pin(v, PIN: tl.constexpr):
 
 @triton.jit
 def _program(n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr):
-    """(s index, b index, row chunk) of this program, in the memory order described above."""
-    pid = tl.program_id(0).to(tl.int64)
+    """(s index, b index, row chunk) of this program, in the memory order described above.
+
+    Index arithmetic is int32 (the launcher keeps programs and rows per group below 2**31): a
+    64-bit division is a ~60-instruction subroutine, and a program of the table kernel is one
+    small tile. Only offsets, products with strides, are 64-bit."""
+    pid = tl.program_id(0)
     run = pid // inner
     group = run % n_groups
     chunk = (run // n_groups) * inner + pid % inner
     if GROUP_PER_BATCH:
-        return group // n_batch, group % n_batch, chunk
-    return group, group * 0, chunk
+        return (group // n_batch).to(tl.int64), (group % n_batch).to(tl.int64), chunk
+    return group.to(tl.int64), tl.zeros_like(group).to(tl.int64), chunk
 
 
 @triton.jit
@@ -172,11 +176,11 @@ def _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd,
 @triton.jit
 def _row_offsets(x_base, o_base, rows, n_heads, stride_xb, stride_xh, stride_ob, stride_oh,
                  GROUP_PER_BATCH: tl.constexpr):
-    """Offsets of a group's `rows` in x and in out (rows are (b, h) pairs, or heads)."""
+    """Offsets of a group's `rows` (int32) in x and in out (rows are (b, h) pairs, or heads)."""
     if GROUP_PER_BATCH:
-        return x_base + rows * stride_xh, o_base + rows * stride_oh
-    b_of_row = rows // n_heads
-    h_of_row = rows % n_heads
+        return x_base + rows.to(tl.int64) * stride_xh, o_base + rows.to(tl.int64) * stride_oh
+    b_of_row = (rows // n_heads).to(tl.int64)
+    h_of_row = (rows % n_heads).to(tl.int64)
     return (x_base + b_of_row * stride_xb + h_of_row * stride_xh,
             o_base + b_of_row * stride_ob + h_of_row * stride_oh)
 
@@ -185,7 +189,7 @@ def _row_offsets(x_base, o_base, rows, n_heads, stride_xb, stride_xh, stride_ob,
 def _chunk(x_ptr, out_ptr, x_base, o_base, r0, r_end, n_heads, stride_xb, stride_xh, stride_ob, stride_oh,
            GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr):
     """Row pointers of rows [r0, r0 + BLOCK_R) of a group in x and in out, and which rows exist."""
-    rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_R)
     x_row, o_row = _row_offsets(x_base, o_base, rows, n_heads, stride_xb, stride_xh, stride_ob, stride_oh,
                                 GROUP_PER_BATCH)
     return x_ptr + x_row, out_ptr + o_row, rows < r_end
@@ -198,7 +202,7 @@ def _qk_chunk(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0
               GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr):
     """`_chunk` for a group's joint rows, q's then k's: each row is in q (in_q) or in k, so one tile
     may hold rows of both. Row starts in q and in k (the one not taken is never dereferenced)."""
-    rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+    rows = r0 + tl.arange(0, BLOCK_R)
     in_q = rows < q_rows
     q_row, qo_row = _row_offsets(q_base, qo_base, rows, q_heads, stride_qb, stride_qh, stride_qob, stride_qoh,
                                  GROUP_PER_BATCH)

@@ -149,6 +149,16 @@ def _rows_per_program(n_groups: int, rows: int, block_r: int, spans_batch: bool,
     return _cdiv(_cdiv(rows, splits), block_r) * block_r
 
 
+_INT32_LIMIT = 2**31
+
+
+def _check_index_range(programs: int, rows: int) -> None:
+    """The kernel's program and row indices are int32 (`rope._kernel._program`)."""
+    if programs >= _INT32_LIMIT or rows >= _INT32_LIMIT:
+        raise ValueError(f"t: {rows} rows (b*h, or q and k heads) per position in {programs} programs; "
+                         f"at most {_INT32_LIMIT - 1} of each are supported")
+
+
 def _inner(roles: tuple, spans_batch: bool, n_batch: int, heads: int, rows_per_program: int, chunks: int) -> int:
     """Chunks of a group's rows that lie next to each other in memory (the kernel's `inner`).
 
@@ -194,6 +204,7 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
     tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), rows, table)
     rows_per_program = _rows_per_program(n_groups, rows, tile[0], spans_batch, x.element_size(), table, x.device)
     chunks = _cdiv(rows, rows_per_program)
+    _check_index_range(n_groups * chunks, rows + rows_per_program)
     roles = _roles(x, tensor_format)
     inner = _inner(roles, spans_batch, layout.b, layout.h, rows_per_program, chunks)
     scalars = (
@@ -217,6 +228,7 @@ def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int,
     rows_per_program = _rows_per_program(n_groups, q_rows + k_rows, tile[0], spans_batch, q.element_size(), table,
                                          q.device)
     chunks = _cdiv(q_rows + k_rows, rows_per_program)
+    _check_index_range(n_groups * chunks, q_rows + k_rows + rows_per_program)
     roles = _roles(q, tensor_format)
     # The joint rows (q's b x h, then k's) hold no run of one batch entry's heads: heads=0.
     inner = _inner(roles, spans_batch, layout.b, 0, rows_per_program, chunks)
