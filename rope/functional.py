@@ -18,10 +18,11 @@ class _Call:
         self.layout = layout
         self.args = (tensor_format, interleaved, start_positions is not None, cp_size, cp_rank)
         self.checks_values = start_positions is not None or cu_seqlens is not None
-        # Where a cos/sin table is faster than evaluating (BENCHMARKS.md, note 11): groups that
-        # span the whole batch. thd (a binary search per token precedes the angles either way),
-        # start_positions (one group per (s, b)) and interleaved measured 1-7 % slower with it.
-        self.reads_table = tensor_format != "thd" and start_positions is None and not interleaved
+        # Where a cos/sin table is faster than evaluating (BENCHMARKS.md, notes 11 and 13): sbhd and
+        # bshd half-split, with or without start_positions (decode 2.06 -> 1.83 µs, fp32 3.07 ->
+        # 1.97). thd (a binary search per token precedes the angles either way) measured the same
+        # or slower with it; interleaved has no table tile.
+        self.reads_table = tensor_format != "thd" and not interleaved
         self.plans = {}
 
     def plan(self, x, angles, backward, inplace=False):

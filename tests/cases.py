@@ -66,10 +66,10 @@ def angle_source(request):
         rope.set_angle_table(True)
 
 
-def needs_angle_source(angle_source, tensor_format, interleaved=False, start_positions=False):
+def needs_angle_source(angle_source, tensor_format, interleaved=False):
     """Skip the table run of a case that never reads a table (rope.functional: half-split sbhd/bshd
-    without start_positions only): it would repeat the evaluated run exactly."""
-    if angle_source == "table" and (tensor_format == "thd" or interleaved or start_positions):
+    only): it would repeat the evaluated run exactly."""
+    if angle_source == "table" and (tensor_format == "thd" or interleaved):
         pytest.skip("no cos/sin table for this case: the evaluated run covers it")
 
 

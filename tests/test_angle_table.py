@@ -136,10 +136,19 @@ def test_table_equals_evaluated(kw, d2, builds):
         torch.testing.assert_close(grad_t, grad_e)
 
 
-@pytest.mark.parametrize("kw", [dict(tensor_format="thd"), dict(tensor_format="sbhd", interleaved=True),
-                                dict(tensor_format="bshd", start_positions=True)], ids=["thd", "interleaved", "start"])
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
+def test_start_positions_read_the_table(tensor_format, builds):
+    """Per-sequence positions read the table too: each (s, b) pair's row of it."""
+    t, freqs, g, gen = _case(10, tensor_format=tensor_format)
+    start = torch.tensor([0, 2], device=DEVICE)
+    _check(t, freqs, g, tensor_format=tensor_format, start_positions=start)
+    assert len(builds) == 1
+
+
+@pytest.mark.parametrize("kw", [dict(tensor_format="thd"), dict(tensor_format="sbhd", interleaved=True)],
+                         ids=["thd", "interleaved"])
 def test_no_table_where_evaluating_is_faster(kw, builds):
-    """thd, interleaved and start_positions evaluate sin/cos in the kernel (BENCHMARKS.md note 11)."""
+    """thd and interleaved evaluate sin/cos in the kernel (BENCHMARKS.md notes 11 and 13)."""
     fmt = kw["tensor_format"]
     t, freqs, g, gen = _case(9, tensor_format=fmt)
     if fmt == "thd":
