@@ -269,7 +269,16 @@ def _store_chunk(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, xa, xb, tail, cos_a, cos_b,
                  mask=r_ok[:, None] & (t_cols < HEAD_DIM)[None, :])
 
 
-@triton.jit
+# Integer arguments that are counts, not strides: Triton would specialize each on == 1 and on
+# divisibility by 16, multiplying the compiled variants (a new variant is a compile of about a second)
+# for no faster code; strides keep their specialization, which proves 16-byte alignment.
+_COUNTS = ["n_heads", "n_batch", "rows_per_group", "rows_per_program", "n_groups", "inner", "seq_len", "n_seqs",
+           "freqs_len", "cp_rank"]
+_QK_COUNTS = ["q_heads", "k_heads", "n_batch", "q_rows", "k_rows", "rows_per_program", "n_groups", "inner", "seq_len",
+              "n_seqs", "freqs_len", "cp_rank"]
+
+
+@triton.jit(do_not_specialize=_COUNTS)
 def rope_kernel(
     x_ptr, out_ptr, freqs_ptr, start_ptr, cu_ptr,
     n_heads, n_batch, rows_per_group, rows_per_program, n_groups, inner,
@@ -308,7 +317,7 @@ def rope_kernel(
                      HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_QK_COUNTS)
 def rope_qk_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, start_ptr, cu_ptr,
     q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
