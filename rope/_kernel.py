@@ -82,16 +82,22 @@ def _pin(v, PIN: tl.constexpr):
 
 
 @triton.jit
-def _program(n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr):
+def _program(n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr, SPLIT: tl.constexpr):
     """(s index, b index, row chunk) of this program, in the memory order described above.
 
     Index arithmetic is int32 (the launcher keeps programs and rows per group below 2**31): a
     64-bit division is a ~60-instruction subroutine, and a program of the table kernel is one
-    small tile. Only offsets, products with strides, are 64-bit."""
+    small tile. Only offsets, products with strides, are 64-bit. Without SPLIT (one chunk per
+    group) there is nothing to divide: the evaluating kernel in float32 lost 5-11 % of copy to
+    these divisions in front of its first load (BENCHMARKS.md, note 13)."""
     pid = tl.program_id(0)
-    run = pid // inner
-    group = run % n_groups
-    chunk = (run // n_groups) * inner + pid % inner
+    if not SPLIT:
+        group = pid
+        chunk = pid * 0
+    else:
+        run = pid // inner
+        group = run % n_groups
+        chunk = (run // n_groups) * inner + pid % inner
     if GROUP_PER_BATCH:
         return (group // n_batch).to(tl.int64), (group % n_batch).to(tl.int64), chunk
     return group.to(tl.int64), tl.zeros_like(group).to(tl.int64), chunk
@@ -290,9 +296,9 @@ def rope_kernel(
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr,
+    RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH)
+    s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
     r_begin = chunk * rows_per_program
     r_end = tl.minimum(r_begin + rows_per_program, rows_per_group)
     x_base = s_idx * stride_xs + b_idx * stride_xb
@@ -331,14 +337,14 @@ def rope_qk_kernel(
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr,
+    RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """q and k of one layer in one launch: a group's angles are read and evaluated once for both.
 
     The group's rows are q's rows followed by k's, and a tile's rows point into either (`_qk_chunk`),
     so this is `rope_kernel` over the joint rows.
     """
-    s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH)
+    s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
     r_begin = chunk * rows_per_program
     r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
     q_base = s_idx * stride_qs + b_idx * stride_qb

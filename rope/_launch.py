@@ -26,8 +26,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # *widest* tile (each half of the rotated channels, the pass-through tail). A program covers
 # several tiles so that its sin/cos are amortised: 16 rows for 16-bit types in groups that span
 # the batch (Llama bf16: 86 -> 91 % of copy, interleaved 88 -> 92 %); otherwise whole groups,
-# split only until the GPU has enough programs (float32 lost 10-20 points at 16 or 32 rows, and a
-# thd token, whose binary search precedes its angles, 8 points at 16 rows).
+# split only until the GPU has enough programs (at 16 or 32 rows float32 lost 10-20 points,
+# partial rotary 10-18, and a thd token, whose binary search precedes its angles, 8 points).
 _ROWS_HALFSPLIT = 8
 _ROWS_INTERLEAVED = 16
 _VECTORS_INTERLEAVED = 4
@@ -93,6 +93,11 @@ class Plan:
         self.num_warps = num_warps
         self.compiled = None
 
+    def arg(self, name: str):
+        """The value of the kernel's scalar argument `name` (tests and tools; not on the hot path)."""
+        names = self.kernel.arg_names
+        return self.scalars[names.index(name) - (len(names) - len(self.scalars))]
+
 
 def _roles(x: torch.Tensor, tensor_format: str) -> tuple:
     """x's strides in the kernel's (s, b, h, d) roles; thd has no b."""
@@ -148,12 +153,12 @@ def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group:
     return block_r, block_half, block_tail, max(1, min(8, threads // 32))
 
 
-def _rows_per_program(n_groups: int, rows: int, block_r: int, spans_batch: bool, element_size: int, table: bool,
-                      device) -> int:
+def _rows_per_program(n_groups: int, rows: int, block_r: int, spans_batch: bool, element_size: int,
+                      full_rotary: bool, table: bool, device) -> int:
     """Rows of a group per program (a multiple of block_r) by the rules above."""
     if table:
         return block_r
-    if spans_batch and element_size <= 2:
+    if spans_batch and element_size <= 2 and full_rotary:
         return _cdiv(_EVAL_ROWS_16BIT, block_r) * block_r
     target = _PROGRAMS_PER_SM * _sm_count(device)
     splits = min(_cdiv(target, max(n_groups, 1)), _cdiv(rows, block_r)) if n_groups < target else 1
@@ -193,11 +198,11 @@ def _groups(layout: Layout, tensor_format: str, has_start: bool, h: int):
 
 
 def _constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, dtype, inplace,
-                table):
+                table, chunks):
     block_r, block_half, block_tail, _ = tile
     return (layout.d, layout.rot_dim, interleaved, backward, tensor_format == "thd", per_batch, has_start,
             cp_size > 1, block_r, block_half, block_tail, INTERPRET and dtype == torch.bfloat16, not INTERPRET,
-            inplace, table)
+            inplace, table, chunks > 1)
 
 
 def _angle_strides(angles: torch.Tensor) -> tuple:
@@ -214,7 +219,8 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
     spans_batch = not per_batch and tensor_format != "thd"
     per_thread = _table_bytes_per_thread(x.numel() * x.element_size(), x.device) if table else 0
     tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), rows, per_thread)
-    rows_per_program = _rows_per_program(n_groups, rows, tile[0], spans_batch, x.element_size(), table, x.device)
+    rows_per_program = _rows_per_program(n_groups, rows, tile[0], spans_batch, x.element_size(),
+                                         layout.rot_dim == layout.d, table, x.device)
     chunks = _cdiv(rows, rows_per_program)
     _check_index_range(n_groups * chunks, rows + rows_per_program)
     roles = _roles(x, tensor_format)
@@ -223,7 +229,7 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
         layout.h, layout.b, rows, rows_per_program, n_groups, inner, layout.s, layout.n_seqs, layout.freqs_len,
         cp_size, cp_rank, *roles, *_out_roles(x, tensor_format, inplace), *_angle_strides(angles),
         *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, x.dtype,
-                     inplace, table),
+                     inplace, table, chunks),
     )
     return Plan(rope_kernel, (n_groups * chunks, 1, 1), scalars, tile[3], x.device)
 
@@ -238,8 +244,8 @@ def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int,
     spans_batch = not per_batch and tensor_format != "thd"
     per_thread = _table_bytes_per_thread((q.numel() + k.numel()) * q.element_size(), q.device) if table else 0
     tile = _tile(layout.d, layout.rot_dim, interleaved, q.element_size(), max(q_rows, k_rows), per_thread)
-    rows_per_program = _rows_per_program(n_groups, q_rows + k_rows, tile[0], spans_batch, q.element_size(), table,
-                                         q.device)
+    rows_per_program = _rows_per_program(n_groups, q_rows + k_rows, tile[0], spans_batch, q.element_size(),
+                                         layout.rot_dim == layout.d, table, q.device)
     chunks = _cdiv(q_rows + k_rows, rows_per_program)
     _check_index_range(n_groups * chunks, q_rows + k_rows + rows_per_program)
     roles = _roles(q, tensor_format)
@@ -252,7 +258,7 @@ def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int,
         *_roles(k, tensor_format), *_out_roles(k, tensor_format, inplace),
         *_angle_strides(angles),
         *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, q.dtype,
-                     inplace, table),
+                     inplace, table, chunks),
     )
     return Plan(rope_qk_kernel, (n_groups * chunks, 1, 1), scalars, tile[3], q.device)
 

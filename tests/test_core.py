@@ -305,7 +305,7 @@ def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inne
     layout = check_static(t, freqs, tensor_format, None, False, None, 1, 0, allow_float64=False)
     angles = _table._build(freqs, s, d) if source == "table" else freqs
     plan = _launch.make_plan(t, layout, tensor_format, False, False, 1, 0, angles, backward=False)
-    n_groups, got_inner = plan.scalars[4], plan.scalars[5]
+    n_groups, got_inner = plan.arg("n_groups"), plan.arg("inner")
     chunks = plan.grid[0] // n_groups
     assert chunks > 1 and chunks % got_inner == 0
     assert got_inner == (chunks if inner == "chunks" else inner)

@@ -21,17 +21,17 @@ from triton.backends.compiler import GPUTarget
 from .._kernel import rope_kernel, rope_qk_kernel
 
 CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "INTERLEAVED", "BACKWARD", "IS_THD", "GROUP_PER_BATCH", "HAS_START", "USE_CP",
-              "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE")
+              "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE", "SPLIT")
 
 
 def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=False, backward=False, thd=False,
-                    start=False, cp=False, inplace=False, block_r=8, num_warps=2, table=False):
+                    start=False, cp=False, inplace=False, block_r=8, num_warps=2, table=False, split=False):
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
     values = dict(HEAD_DIM=d, ROT_DIM=d2, INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=thd,
                   GROUP_PER_BATCH=start and not thd, HAS_START=start, USE_CP=cp, BLOCK_R=block_r,
                   BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, RNE_BF16=False, PIN=True, INPLACE=inplace,
-                  TABLE=table)
+                  TABLE=table, SPLIT=split)
     signature, constexprs, attrs = {}, dict(values), {}
     for i, name in enumerate(kernel.arg_names):
         if name in CONSTEXPRS:
@@ -66,7 +66,7 @@ VARIANTS = [
     ("partial 64/128 bf16", dict(d2=64, num_warps=2)),
     ("thd + start_positions", dict(thd=True, start=True)),
     ("in place, cp", dict(inplace=True, cp=True)),
-    ("table, half-split bf16 d128", dict(table=True, block_r=8, num_warps=1)),
+    ("table, half-split bf16 d128", dict(table=True, block_r=8, num_warps=1, split=True)),
 ]
 
 
