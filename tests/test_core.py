@@ -318,6 +318,17 @@ def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inne
     assert_within_rounding(grad, ref_grad, g, d, False, "backward")
 
 
+def test_index_range_is_checked():
+    """The kernel's program and row indices are int32: the launcher refuses what would overflow them
+    (tensors that large cannot be allocated in a test, so the check is called directly)."""
+    from rope import _launch
+
+    _launch._check_index_range(2**31 - 1, 2**31 - 1)
+    for programs, rows in [(2**31, 1), (1, 2**31)]:
+        with pytest.raises(ValueError, match="at most 2147483647"):
+            _launch._check_index_range(programs, rows)
+
+
 def test_launch_hooks_are_detected():
     """The direct launch skips Triton's launch hooks, so it is taken only while none is registered
     (Triton >= 3.5 keeps an always-present, usually empty, chain of them)."""
