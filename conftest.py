@@ -32,8 +32,9 @@ settings.register_profile("cpu-interp", max_examples=40, derandomize=True, datab
 # On the device: realistic shapes up to tens of MB per tensor. Compile-bound, not GPU-bound: nearly
 # every drawn (dtype, d, d2, mode, direction, tile) is a new Triton specialization (about 500 in 600
 # draws), compiled in about a second each; hence 100 examples per property, and `-n auto`
-# (pytest-xdist, workers share Triton's on-disk cache) to spread the compiles over the host's cores.
-# On an H200 host with 16 cores: the 17 properties alone in 276 s, the rest alone in about 90 s.
+# (pytest-xdist, workers share Triton's on-disk cache) to spread the compiles over the host's cores,
+# with `--dist worksteal` so that no worker is left with a queue of properties. On an H200 host with
+# 16 cores the whole suite takes 2-3.5 minutes, each property 0.5-1.5 (BENCHMARKS.md, note 14).
 settings.register_profile("gpu", max_examples=100, **_COMMON)
 # Long hunt: thousands of examples; the accuracy checks call hypothesis.target() on the error
 # relative to the allowed bound, steering generation towards the worst case.
