@@ -180,13 +180,30 @@ def _inner(roles: tuple, spans_batch: bool, n_batch: int, heads: int, rows_per_p
 
     A group's rows are contiguous unless it spans the batch and the batch stride exceeds the
     sequence stride (bshd): then only the chunks of one batch entry are, if they tile its `heads`
-    rows (0: the rows form no such runs). Any value that divides `chunks` is correct."""
+    rows (0: the rows form no such runs). Any value that divides `chunks` is correct: the order
+    is a matter of speed, never of which rows are written."""
     stride_s, stride_b = roles[0], roles[1]
     if not spans_batch or n_batch == 1 or stride_b <= stride_s:
         return chunks
     if rows_per_program < heads and heads % rows_per_program == 0:
         return heads // rows_per_program
     return 1
+
+
+def _decomposition(x, layout, tensor_format, interleaved, per_batch, n_groups, rows, widest_rows, tensor_bytes,
+                   table, run_heads):
+    """(tile, rows per program, chunks per group, inner, x's strides in roles) for a launch over
+    `rows` rows per group; `run_heads` as in `_inner`."""
+    spans_batch = not per_batch and tensor_format != "thd"
+    per_thread = _table_bytes_per_thread(tensor_bytes, x.device) if table else 0
+    tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), widest_rows, per_thread)
+    rows_per_program = _rows_per_program(n_groups, rows, tile[0], spans_batch, x.element_size(),
+                                         layout.rot_dim == layout.d, table, x.device)
+    chunks = _cdiv(rows, rows_per_program)
+    _check_index_range(n_groups * chunks, rows + rows_per_program)
+    roles = _roles(x, tensor_format)
+    return tile, rows_per_program, chunks, _inner(roles, spans_batch, layout.b, run_heads, rows_per_program,
+                                                  chunks), roles
 
 
 def _groups(layout: Layout, tensor_format: str, has_start: bool, h: int):
@@ -216,15 +233,9 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
     """`angles`: float32 `freqs`, or its cos/sin table (3-D), as the kernel will read it."""
     table = angles.dim() == 3
     n_groups, rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
-    spans_batch = not per_batch and tensor_format != "thd"
-    per_thread = _table_bytes_per_thread(x.numel() * x.element_size(), x.device) if table else 0
-    tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), rows, per_thread)
-    rows_per_program = _rows_per_program(n_groups, rows, tile[0], spans_batch, x.element_size(),
-                                         layout.rot_dim == layout.d, table, x.device)
-    chunks = _cdiv(rows, rows_per_program)
-    _check_index_range(n_groups * chunks, rows + rows_per_program)
-    roles = _roles(x, tensor_format)
-    inner = _inner(roles, spans_batch, layout.b, layout.h, rows_per_program, chunks)
+    tile, rows_per_program, chunks, inner, roles = _decomposition(
+        x, layout, tensor_format, interleaved, per_batch, n_groups, rows, rows, x.numel() * x.element_size(), table,
+        layout.h)
     scalars = (
         layout.h, layout.b, rows, rows_per_program, n_groups, inner, layout.s, layout.n_seqs, layout.freqs_len,
         cp_size, cp_rank, *roles, *_out_roles(x, tensor_format, inplace), *_angle_strides(angles),
@@ -241,16 +252,10 @@ def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int,
     table = angles.dim() == 3
     n_groups, q_rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
     _, k_rows, _ = _groups(layout, tensor_format, has_start, k_heads)
-    spans_batch = not per_batch and tensor_format != "thd"
-    per_thread = _table_bytes_per_thread((q.numel() + k.numel()) * q.element_size(), q.device) if table else 0
-    tile = _tile(layout.d, layout.rot_dim, interleaved, q.element_size(), max(q_rows, k_rows), per_thread)
-    rows_per_program = _rows_per_program(n_groups, q_rows + k_rows, tile[0], spans_batch, q.element_size(),
-                                         layout.rot_dim == layout.d, table, q.device)
-    chunks = _cdiv(q_rows + k_rows, rows_per_program)
-    _check_index_range(n_groups * chunks, q_rows + k_rows + rows_per_program)
-    roles = _roles(q, tensor_format)
-    # The joint rows (q's b x h, then k's) hold no run of one batch entry's heads: heads=0.
-    inner = _inner(roles, spans_batch, layout.b, 0, rows_per_program, chunks)
+    # The joint rows (q's b x h, then k's) hold no run of one batch entry's heads: run_heads=0.
+    tile, rows_per_program, chunks, inner, roles = _decomposition(
+        q, layout, tensor_format, interleaved, per_batch, n_groups, q_rows + k_rows, max(q_rows, k_rows),
+        (q.numel() + k.numel()) * q.element_size(), table, 0)
     scalars = (
         layout.h, k_heads, layout.b, q_rows, k_rows, rows_per_program, n_groups, inner, layout.s, layout.n_seqs,
         layout.freqs_len, cp_size, cp_rank,
