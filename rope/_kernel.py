@@ -1,8 +1,9 @@
 """The Triton kernels: forward and backward (adjoint) RoPE for every format and mode.
 
 `rope_kernel` rotates one tensor; `rope_qk_kernel` rotates q and k of a layer in one launch. Both
-are the same helpers (position, angles, row loop), so they differ only in their arguments: Triton
-has no optional arguments, and the single-tensor launch should not pay for k's.
+are the same helpers (program, position, angles, chunk load and store); they differ in their
+arguments and in where a row's pointer comes from (x, or q or k per row). Triton has no optional
+arguments, and the single-tensor launch should not pay for k's.
 
 Work decomposition. Tokens that share a position share their angles: a *group* is a set of
 rows with one position, and a program handles a chunk of one group's rows (rows_per_program, a
@@ -20,7 +21,7 @@ slower on an H200 (BENCHMARKS.md, note 13).
 
 Each program loads its first chunk of `t` *before* its angles (position, cos/sin), so the two
 round trips overlap, then loops over any further chunks. Where the angles are read from a float32
-cos/sin table (TABLE, `rope._table`: half-split sbhd/bshd without start_positions), a program is
+cos/sin table (TABLE, `rope._table`: half-split sbhd/bshd), a program is
 one small tile, as in a copy kernel. Where sin/cos are evaluated in the kernel, a program covers
 several tiles so that the accurate float32 sin/cos (tens of instructions) are amortised.
 

@@ -122,10 +122,6 @@ def _out_roles(x: torch.Tensor, tensor_format: str, inplace: bool) -> tuple:
     return (inner * row, row, d, 1) if tensor_format == "sbhd" else (row, outer * row, d, 1)
 
 
-def _prev_power_of_2(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
 def _table_bytes_per_thread(tensor_bytes: int, device) -> int:
     small = tensor_bytes <= _sm_count(device) * _THREADS_PER_SM * _TABLE_BYTES_PER_THREAD
     return _TABLE_BYTES_PER_THREAD_SMALL if small else _TABLE_BYTES_PER_THREAD
