@@ -21,9 +21,10 @@ slower on an H200 (BENCHMARKS.md, note 13).
 
 Each program loads its first chunk of `t` *before* its angles (position, cos/sin), so the two
 round trips overlap, then loops over any further chunks. Where the angles are read from a float32
-cos/sin table (TABLE, `rope._table`: half-split sbhd/bshd), a program is
-one small tile, as in a copy kernel. Where sin/cos are evaluated in the kernel, a program covers
-several tiles so that the accurate float32 sin/cos (tens of instructions) are amortised.
+cos/sin table (TABLE, `rope._table`: every half-split call), a program is one small tile, as in a
+copy kernel (thd: a few, over which its search of cu_seqlens is amortised). Where sin/cos are
+evaluated in the kernel, a program covers several tiles so that the accurate float32 sin/cos (tens
+of instructions) are amortised.
 
 Channels: the rotated part is handled as two [rows, d2/2] halves `a` and `b` = partner(a):
 half-split reads them as two contiguous slices; interleaved reads one contiguous [rows, d2] slice
@@ -105,22 +106,42 @@ def _program(n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr, SPLIT: tl.
 
 
 @triton.jit
+def _sequence_of(token, cu_ptr, n_seqs, cp_size, FANOUT: tl.constexpr):
+    """(index, first local token, local length) of the sequence that holds local token `token`:
+    the largest q with cu[q] // cp_size <= token ("largest" skips empty sequences).
+
+    A FANOUT-way search: each round loads FANOUT evenly spaced entries of the candidate range at
+    once and keeps the sub-range below the first one past `token`, so 2048 sequences take 3
+    rounds of loads (FANOUT 32) where bisection took 11, each a round trip to L2 that precedes the
+    program's angles (thd with 2048 sequences of 8 tokens: BENCHMARKS.md, note 15). The bounds
+    come from the loaded entries: cu[q] is the largest one found <= token, cu[q + 1] the smallest
+    one above it (every index next to a candidate range's end was loaded in an earlier round).
+    """
+    lanes = tl.arange(0, FANOUT) + 1
+    lo = 0
+    span = n_seqs + 1  # candidates lo .. lo + span - 1; cu[lo] <= token holds throughout
+    start = tl.load(cu_ptr).to(tl.int64) // cp_size
+    end = start * 0 + 0x7FFFFFFFFFFFFFFF  # no entry above `token` seen yet (only past the last sequence)
+    while span > 1:
+        step = (span + FANOUT - 1) // FANOUT
+        idx = lo + lanes * step
+        ok = (idx < lo + span) & (idx <= n_seqs)
+        v = tl.load(cu_ptr + idx, mask=ok, other=0).to(tl.int64) // cp_size
+        below = ok & (v <= token)
+        lo = lo + tl.sum(below.to(tl.int32), axis=0) * step
+        start = tl.maximum(start, tl.max(tl.where(below, v, start), axis=0))
+        end = tl.minimum(end, tl.min(tl.where(ok & ~below, v, end), axis=0))
+        span = step
+    return lo, start, end - start
+
+
+@triton.jit
 def _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank,
-              IS_THD: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr):
+              IS_THD: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr, FANOUT: tl.constexpr):
     """Position of the group's token(s) (SPEC.md section 3)."""
     if IS_THD:
-        # Largest q with cu[q] / cp_size <= token (empty sequences are skipped by "largest").
-        lo = 0
-        hi = n_seqs
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            below = tl.load(cu_ptr + mid).to(tl.int64) // cp_size <= s_idx
-            lo = tl.where(below, mid, lo)
-            hi = tl.where(below, hi, mid - 1)
-        seq_start = tl.load(cu_ptr + lo).to(tl.int64) // cp_size
-        length = tl.load(cu_ptr + lo + 1).to(tl.int64) // cp_size - seq_start
+        seq_idx, seq_start, length = _sequence_of(s_idx, cu_ptr, n_seqs, cp_size, FANOUT)
         j = s_idx - seq_start
-        seq_idx = lo
     else:
         length = seq_len
         j = s_idx
@@ -298,6 +319,7 @@ def rope_kernel(
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
+    FANOUT: tl.constexpr,
 ):
     s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
     r_begin = chunk * rows_per_program
@@ -310,7 +332,8 @@ def rope_kernel(
                               stride_ob, stride_oh, GROUP_PER_BATCH, BLOCK_R)
     xa, xb, tail = _load_chunk(x_rp, x_rp, r_ok, r_ok, stride_xd, stride_xd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
                                BLOCK_HALF, BLOCK_TAIL, INPLACE)
-    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP)
+    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP,
+                   FANOUT)
     cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
                                          BACKWARD, BLOCK_HALF, PIN, TABLE)
     _store_chunk(o_rp, o_rp, r_ok, r_ok, stride_od, stride_od, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
@@ -339,6 +362,7 @@ def rope_qk_kernel(
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
+    FANOUT: tl.constexpr,
 ):
     """q and k of one layer in one launch: a group's angles are read and evaluated once for both.
 
@@ -359,7 +383,8 @@ def rope_qk_kernel(
         stride_kb, stride_kh, stride_kd, stride_kob, stride_koh, stride_kod, GROUP_PER_BATCH, BLOCK_R)
     xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
                                BLOCK_HALF, BLOCK_TAIL, INPLACE)
-    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP)
+    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP,
+                   FANOUT)
     cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
                                          BACKWARD, BLOCK_HALF, PIN, TABLE)
     _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,

@@ -20,14 +20,14 @@ from ._validate import Layout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Tiles and program sizes, from sweeps on an H200 (BENCHMARKS.md, notes 11 and 13).
+# Tiles and program sizes, from sweeps on an H200 (BENCHMARKS.md, notes 11, 13 and 15).
 # Kernel evaluating sin/cos itself: 8-row tiles (16 for interleaved, whose single full-width tile
 # is split in registers), with as many warps as give every thread one 16-byte vector of the
 # *widest* tile (each half of the rotated channels, the pass-through tail). A program covers
 # several tiles so that its sin/cos are amortised: 16 rows for 16-bit types in groups that span
 # the batch (Llama bf16: 86 -> 91 % of copy, interleaved 88 -> 92 %); otherwise whole groups,
 # split only until the GPU has enough programs (at 16 or 32 rows float32 lost 10-20 points,
-# partial rotary 10-18, and a thd token, whose binary search precedes its angles, 8 points).
+# partial rotary 10-18, and a thd token, whose search of cu_seqlens precedes its angles, 7 points).
 _ROWS_HALFSPLIT = 8
 _ROWS_INTERLEAVED = 16
 _VECTORS_INTERLEAVED = 4
@@ -38,11 +38,28 @@ _EVAL_ROWS_16BIT = 16
 # be in flight at once (under 32 bytes per resident thread: 8.6 MB on an H200) gets 16 bytes per
 # thread instead: twice the threads, each with half the chain (launch-bound sizes, 0.05-0.1 µs).
 _TABLE_ROWS = 8
+# thd reading the table: a program first searches cu_seqlens for its token's sequence. Where that
+# takes several rounds of dependent loads (more sequences than _SEARCH_FANOUT), a program covers
+# 4 KB of `t` (one token, or part of it) to amortise them: 2 KB measured 5-18 points slower,
+# 8-16 KB 1-4 points. With one round, one tile is best again (few long sequences: 92 against
+# 91 % of copy; note 15).
+_TABLE_THD_BYTES = 4096
 _TABLE_BYTES_PER_THREAD = 32
 _TABLE_BYTES_PER_THREAD_SMALL = 16
 _THREADS_PER_SM = 2048
+# Triton's interpreter (the CPU suite) runs one program after another, each tile operation a numpy
+# call whose cost hardly depends on the tile's size: there, tiles take up to this many rows of a
+# group at once (3-8x fewer steps than GPU tiles at the CPU suite's sizes). The GPU's
+# decomposition (several tiles and programs per group, the loop, the memory-ordered grid) is then
+# run on the CPU only by the tests that ask for it (`gpu_decomposition` in tests/cases.py); the
+# GPU suite runs it everywhere.
+_INTERPRETER_TILE_ROWS = 64 if INTERPRET else 0
 # Programs wanted per SM before a group's rows are split over several programs.
 _PROGRAMS_PER_SM = 8
+# thd: cu_seqlens entries a program loads per round of its search for its token's sequence
+# (`rope._kernel._sequence_of`): 1 round up to 31 sequences, 2 up to 1023, 3 up to 32767. One warp
+# holds them all, so a round's reductions stay within a warp; 64 and 128 measured no faster.
+_SEARCH_FANOUT = 32
 
 
 def empty(x: torch.Tensor) -> torch.Tensor:
@@ -146,13 +163,18 @@ def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group:
         widest = max(block_half, block_tail)
         block_r = min(triton.next_power_of_2(rows_per_group), _ROWS_HALFSPLIT)
         threads = block_r * widest // vec
+    if _INTERPRETER_TILE_ROWS:
+        block_r = min(triton.next_power_of_2(rows_per_group), _INTERPRETER_TILE_ROWS)
     return block_r, block_half, block_tail, max(1, min(8, threads // 32))
 
 
 def _rows_per_program(n_groups: int, rows: int, block_r: int, spans_batch: bool, element_size: int,
-                      full_rotary: bool, table: bool, device) -> int:
-    """Rows of a group per program (a multiple of block_r) by the rules above."""
+                      full_rotary: bool, table: bool, device, row_bytes: int = 0) -> int:
+    """Rows of a group per program (a multiple of block_r) by the rules above; `row_bytes` as
+    `_thd_row_bytes` gives it."""
     if table:
+        if row_bytes:
+            return min(_cdiv(rows, block_r), max(1, _TABLE_THD_BYTES // (row_bytes * block_r))) * block_r
         return block_r
     if spans_batch and element_size <= 2 and full_rotary:
         return _cdiv(_EVAL_ROWS_16BIT, block_r) * block_r
@@ -186,6 +208,11 @@ def _inner(roles: tuple, spans_batch: bool, n_batch: int, heads: int, rows_per_p
     return 1
 
 
+def _thd_row_bytes(x, layout, tensor_format) -> int:
+    """Bytes per row where a thd program's search takes several rounds, else 0 (see above)."""
+    return x.element_size() * layout.d if tensor_format == "thd" and layout.n_seqs >= _SEARCH_FANOUT else 0
+
+
 def _decomposition(x, layout, tensor_format, interleaved, per_batch, n_groups, rows, widest_rows, tensor_bytes,
                    table, run_heads):
     """(tile, rows per program, chunks per group, inner, x's strides in roles) for a launch over
@@ -194,7 +221,8 @@ def _decomposition(x, layout, tensor_format, interleaved, per_batch, n_groups, r
     per_thread = _table_bytes_per_thread(tensor_bytes, x.device) if table else 0
     tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), widest_rows, per_thread)
     rows_per_program = _rows_per_program(n_groups, rows, tile[0], spans_batch, x.element_size(),
-                                         layout.rot_dim == layout.d, table, x.device)
+                                         layout.rot_dim == layout.d, table, x.device,
+                                         _thd_row_bytes(x, layout, tensor_format))
     chunks = _cdiv(rows, rows_per_program)
     _check_index_range(n_groups * chunks, rows + rows_per_program)
     roles = _roles(x, tensor_format)
@@ -215,7 +243,7 @@ def _constexprs(layout, tensor_format, interleaved, backward, per_batch, has_sta
     block_r, block_half, block_tail, _ = tile
     return (layout.d, layout.rot_dim, interleaved, backward, tensor_format == "thd", per_batch, has_start,
             cp_size > 1, block_r, block_half, block_tail, INTERPRET and dtype == torch.bfloat16, not INTERPRET,
-            inplace, table, chunks > 1)
+            inplace, table, chunks > 1, _SEARCH_FANOUT if tensor_format == "thd" else 1)
 
 
 def _angle_strides(angles: torch.Tensor) -> tuple:

@@ -18,11 +18,10 @@ class _Call:
         self.layout = layout
         self.args = (tensor_format, interleaved, start_positions is not None, cp_size, cp_rank)
         self.checks_values = start_positions is not None or cu_seqlens is not None
-        # Where a cos/sin table is faster than evaluating (BENCHMARKS.md, notes 11 and 13): sbhd and
-        # bshd half-split, with or without start_positions (decode 2.06 -> 1.83 µs, fp32 3.07 ->
-        # 1.97). thd (a binary search per token precedes the angles either way) measured the same
-        # or slower with it; interleaved has no table tile.
-        self.reads_table = tensor_format != "thd" and not interleaved
+        # Where a cos/sin table is faster than evaluating (BENCHMARKS.md, notes 11, 13 and 15):
+        # half-split, every format, with or without start_positions (decode 2.06 -> 1.83 µs, thd
+        # float32 80 -> 98 % of copy). Interleaved has no table tile.
+        self.reads_table = not interleaved
         self.plans = {}
 
     def plan(self, x, angles, backward, inplace=False):

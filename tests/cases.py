@@ -6,6 +6,7 @@ import torch
 
 import rope
 import rope._launch
+import rope.functional
 from rope import reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,6 +56,14 @@ def poison_outputs():
         yield
 
 
+@pytest.fixture
+def gpu_decomposition(monkeypatch):
+    """The launcher splits work as on a GPU, also under the interpreter (which otherwise takes a
+    group's rows in one tile: rope._launch._INTERPRETER_TILE_ROWS)."""
+    monkeypatch.setattr(rope._launch, "_INTERPRETER_TILE_ROWS", 0)
+    monkeypatch.setattr(rope.functional, "_CALLS", {})  # no plan made with the interpreter's tiles
+
+
 @pytest.fixture(params=["table", "evaluated"])
 def angle_source(request):
     """Both ways the kernel gets cos/sin: read from the table cached per `freqs` (the default), and
@@ -67,9 +76,9 @@ def angle_source(request):
 
 
 def needs_angle_source(angle_source, tensor_format, interleaved=False):
-    """Skip the table run of a case that never reads a table (rope.functional: half-split sbhd/bshd
-    only): it would repeat the evaluated run exactly."""
-    if angle_source == "table" and (tensor_format == "thd" or interleaved):
+    """Skip the table run of a case that never reads a table (rope.functional: half-split only): it
+    would repeat the evaluated run exactly."""
+    if angle_source == "table" and interleaved:
         pytest.skip("no cos/sin table for this case: the evaluated run covers it")
 
 

@@ -35,6 +35,10 @@ def _case(seed, s=6, b=2, h=3, d=16, d2=12, dtype=torch.float32, tensor_format="
     return t, freqs, g, gen
 
 
+# thd cases of `_case` (s=6 tokens): three sequences, one of them empty.
+_THD_CU = torch.tensor([0, 2, 2, 6], dtype=torch.int32, device=DEVICE)
+
+
 def _check(t, freqs, g, **kw):
     out, grad, ref, ref_grad = run_both(t, freqs, g, **kw)
     d2 = freqs.shape[-1]
@@ -106,8 +110,8 @@ def test_no_table_for_inference_tensors_or_when_off(builds):
     assert builds == [] and not table_mod._TABLES
 
 
-@pytest.mark.parametrize("kw", [dict(tensor_format="sbhd"), dict(tensor_format="bshd", cp_size=2, cp_rank=1)],
-                         ids=["sbhd", "bshd-cp"])
+@pytest.mark.parametrize("kw", [dict(tensor_format="sbhd"), dict(tensor_format="bshd", cp_size=2, cp_rank=1),
+                                dict(tensor_format="thd", cp_size=2, cp_rank=0)], ids=["sbhd", "bshd-cp", "thd-cp"])
 @pytest.mark.parametrize("d2", [32, 12], ids=["full", "partial"])
 def test_table_equals_evaluated(kw, d2, builds):
     """Both paths rotate by float32 cos/sin of the same angles. On a GPU both are CUDA's cosf/sinf
@@ -117,6 +121,8 @@ def test_table_equals_evaluated(kw, d2, builds):
     tolerances cover it)."""
     t, freqs, g, gen = _case(6, s=8, h=5, d=40, d2=d2, tensor_format=kw["tensor_format"])
     freqs = make_freqs(16, d2, gen)  # cp_size 2: positions up to 2 * s
+    if kw["tensor_format"] == "thd":  # 8 local tokens of 16: lengths divisible by 2 * cp_size
+        kw = dict(kw, cu_seqlens=torch.tensor([0, 4, 4, 16], dtype=torch.int32, device=DEVICE))
     results = []
     for enabled in (True, False):
         rope.set_angle_table(enabled)
@@ -136,25 +142,27 @@ def test_table_equals_evaluated(kw, d2, builds):
         torch.testing.assert_close(grad_t, grad_e)
 
 
-@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd"])
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
 def test_start_positions_read_the_table(tensor_format, builds):
-    """Per-sequence positions read the table too: each (s, b) pair's row of it."""
+    """Per-sequence positions read the table too: each (s, b) pair's row of it, or each packed
+    token's (thd: the row of its position in its sequence plus the sequence's start)."""
     t, freqs, g, gen = _case(10, tensor_format=tensor_format)
-    start = torch.tensor([0, 2], device=DEVICE)
-    _check(t, freqs, g, tensor_format=tensor_format, start_positions=start)
+    kw = dict(tensor_format=tensor_format)
+    if tensor_format == "thd":
+        kw["cu_seqlens"] = _THD_CU
+    start = torch.tensor([0, 2, 1][:2 if tensor_format != "thd" else 3], device=DEVICE)
+    _check(t, freqs, g, start_positions=start, **kw)
     assert len(builds) == 1
 
 
-@pytest.mark.parametrize("kw", [dict(tensor_format="thd"), dict(tensor_format="sbhd", interleaved=True)],
-                         ids=["thd", "interleaved"])
-def test_no_table_where_evaluating_is_faster(kw, builds):
-    """thd and interleaved evaluate sin/cos in the kernel (BENCHMARKS.md notes 11 and 13)."""
-    fmt = kw["tensor_format"]
-    t, freqs, g, gen = _case(9, tensor_format=fmt)
-    if fmt == "thd":
-        kw["cu_seqlens"] = torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE)
-    if kw.get("start_positions"):
-        kw["start_positions"] = torch.tensor([0, 2], device=DEVICE)
+@pytest.mark.parametrize("tensor_format", ["sbhd", "thd"])
+def test_no_table_for_interleaved(tensor_format, builds):
+    """Interleaved evaluates sin/cos in the kernel: its tile splits even and odd channels in
+    registers, and a table tile for it measured no faster (BENCHMARKS.md notes 11 and 13)."""
+    t, freqs, g, gen = _case(9, tensor_format=tensor_format)
+    kw = dict(tensor_format=tensor_format, interleaved=True)
+    if tensor_format == "thd":
+        kw["cu_seqlens"] = _THD_CU
     _check(t, freqs, g, **kw)
     assert builds == []
 

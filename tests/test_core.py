@@ -16,6 +16,7 @@ from .cases import (  # noqa: F401
     DEVICE,
     ON_GPU,
     angle_source,
+    gpu_decomposition,
     gpu_only,
     make_freqs,
     make_t,
@@ -96,7 +97,7 @@ def test_long_context_angles(tensor_format, dtype):
 @pytest.mark.parametrize("layout", ["transposed", "strided_last", "sliced"])
 @pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
-def test_any_strides(tensor_format, layout, interleaved, poison_outputs):  # noqa: F811
+def test_any_strides(tensor_format, layout, interleaved, poison_outputs, gpu_decomposition):  # noqa: F811
     t, freqs, g, kw, d2 = _case(tensor_format, torch.bfloat16, interleaved, True, None, seed=11, layout=layout)
     assert not t.is_contiguous()
     out, grad, ref, ref_grad = run_both(t, freqs, g, **kw)
@@ -109,7 +110,7 @@ def test_any_strides(tensor_format, layout, interleaved, poison_outputs):  # noq
     ((1, 1, 1, 2), 2), ((3, 2, 17, 80), 80), ((5, 2, 3, 80), 64), ((4, 1, 2, 96), 32), ((2, 3, 1, 6), 4),
 ])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
-def test_odd_sizes(shape, d2, interleaved, poison_outputs):  # noqa: F811
+def test_odd_sizes(shape, d2, interleaved, poison_outputs, gpu_decomposition):  # noqa: F811
     gen = torch.Generator().manual_seed(3)
     s, b, h, d = shape
     t = make_t("sbhd", s, b, h, d, torch.float32, gen)
@@ -293,7 +294,8 @@ def test_value_checks_run_once_per_unmodified_index_tensor(monkeypatch):
     ("bshd", 2, 32, torch.bfloat16, "evaluated", 2),  # 16-bit, evaluated: 16 rows per program
     ("bshd", 1, 20, torch.float32, "table", "chunks"),  # one batch entry: contiguous rows
 ])
-def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inner, poison_outputs):  # noqa: F811
+def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inner, poison_outputs,  # noqa: F811
+                                        gpu_decomposition):  # noqa: F811
     from rope import _launch, _table
     from rope._validate import check_static
 
@@ -314,6 +316,72 @@ def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inne
         out, grad, ref, ref_grad = run_both(t, freqs, g, tensor_format=tensor_format)
     finally:
         rope.set_angle_table(True)
+    assert_within_rounding(out, ref, t, d, False, "forward")
+    assert_within_rounding(grad, ref_grad, g, d, False, "backward")
+
+
+# thd reading the table: where the search of cu_seqlens takes several rounds, a program covers a
+# few KB of its token's rows (the launcher's _TABLE_THD_BYTES), several 8-row tiles, and a token
+# with more rows is split over programs; with one round, a program is one tile. Each shape is
+# checked to take its path, then against the reference.
+@pytest.mark.parametrize("h,d,dtype,many,split", [
+    (20, 8, torch.float32, True, False),  # 32-byte rows: every token in one program of 3 tiles
+    (40, 64, torch.bfloat16, True, True),  # 128-byte rows: 40 rows do not fit one program
+    (40, 64, torch.bfloat16, False, True),  # one round: 8-row programs
+])
+def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomposition):  # noqa: F811
+    from rope import _launch, _table
+    from rope._validate import check_static
+
+    gen = torch.Generator().manual_seed(h)
+    lengths = [2, 0, 3] + [0] * (_launch._SEARCH_FANOUT if many else 0)
+    cu = _cu(lengths)
+    t = make_t("thd", 5, 1, h, d, dtype, gen)
+    freqs = make_freqs(6, d, gen)
+    g = torch.randn(t.shape, generator=gen).to(dtype).to(DEVICE)
+    layout = check_static(t, freqs, "thd", None, False, cu, 1, 0, allow_float64=False)
+    plan = _launch.make_plan(t, layout, "thd", False, False, 1, 0, _table._build(freqs, 6, d), backward=False)
+    rows_per_program = plan.arg("rows_per_program")
+    assert (rows_per_program > 8) == many and (rows_per_program < h) == split
+    assert plan.grid[0] == 5 * -(-h // rows_per_program)
+    out, grad, ref, ref_grad = run_both(t, freqs, g, tensor_format="thd", cu_seqlens=cu)
+    assert_within_rounding(out, ref, t, d, False, "forward")
+    assert_within_rounding(grad, ref_grad, g, d, False, "backward")
+
+
+# thd: each program finds its token's sequence by a FANOUT-way search of cu_seqlens over several
+# rounds once there are more sequences than lanes (rope._kernel._sequence_of). Many sequences,
+# most of them empty (a run of equal entries that "largest q" must skip), with the launcher's
+# fanout and with narrow ones that take many rounds; start_positions make a wrong sequence index
+# visible even where two sequences would give a token the same position.
+@pytest.mark.parametrize("fanout,cp,start", [
+    (None, None, False), (None, None, True), (None, (2, 1), False), (2, None, True), (4, (3, 2), False),
+], ids=str)
+def test_thd_many_sequences(fanout, cp, start, monkeypatch, poison_outputs):  # noqa: F811
+    from rope import _launch, functional
+
+    if fanout is not None:
+        monkeypatch.setattr(_launch, "_SEARCH_FANOUT", fanout)
+        monkeypatch.setattr(functional, "_CALLS", {})  # plans made with the launcher's fanout
+    n_seqs = 3 * _launch._SEARCH_FANOUT + 5
+    gen = torch.Generator().manual_seed(n_seqs + (cp or (1, 0))[0])
+    cp_size = cp[0] if cp else 1
+    unit = 2 * cp_size if cp else 1
+    # 70 % empty, else 1-3 units; two empty sequences at each end
+    units = torch.randint(1, 4, (n_seqs,), generator=gen) * (torch.rand(n_seqs, generator=gen) < 0.3)
+    units[:2] = 0
+    units[-2:] = 0
+    lengths = (units * unit).tolist()
+    kw = dict(tensor_format="thd", cu_seqlens=_cu(lengths))
+    if cp:
+        kw.update(cp_size=cp_size, cp_rank=cp[1])
+    if start:
+        kw["start_positions"] = torch.randint(0, 16, (n_seqs,), generator=gen).to(DEVICE)
+    h, d = 2, 8
+    t = make_t("thd", sum(lengths) // cp_size, 1, h, d, torch.float32, gen)
+    freqs = make_freqs(max(lengths) + 16, d, gen)
+    g = torch.randn(t.shape, generator=gen).to(DEVICE)
+    out, grad, ref, ref_grad = run_both(t, freqs, g, **kw)
     assert_within_rounding(out, ref, t, d, False, "forward")
     assert_within_rounding(grad, ref_grad, g, d, False, "backward")
 
