@@ -11,7 +11,7 @@ multiple of the tile height BLOCK_R).
 - sbhd/bshd without start_positions: group = one s index, rows = all b*h (b, h) pairs.
 - sbhd/bshd with start_positions:    group = one (s, b) pair, rows = its h heads.
 - thd:                               group = one token, rows = its h heads; its sequence is found
-                                     by a binary search in cu_seqlens, so the grid is sized by tokens.
+                                     by a search of cu_seqlens, so the grid is sized by tokens.
 The grid is one-dimensional and its order follows memory: consecutive programs read neighbouring
 addresses, as a copy kernel does. Program `pid` takes row chunk `pid % inner` of a run of `inner`
 consecutive chunks, then the groups, then the runs (`inner` = chunks per group when a group's
