@@ -75,7 +75,7 @@ def angle_source(request):
         rope.set_angle_table(True)
 
 
-def needs_angle_source(angle_source, tensor_format, interleaved=False):
+def needs_angle_source(angle_source, interleaved: bool):
     """Skip the table run of a case that never reads a table (rope.functional: half-split only): it
     would repeat the evaluated run exactly."""
     if angle_source == "table" and interleaved:

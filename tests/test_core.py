@@ -73,7 +73,7 @@ def _case(tensor_format, dtype, interleaved, partial, mode, seed, max_angle=10.0
 @pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
 def test_matches_float64_reference(tensor_format, dtype, interleaved, partial, mode, angle_source,  # noqa: F811
                                    poison_outputs):  # noqa: F811
-    needs_angle_source(angle_source, tensor_format, interleaved)
+    needs_angle_source(angle_source, interleaved)
     t, freqs, g, kw, d2 = _case(tensor_format, dtype, interleaved, partial, mode, seed=hash(
         (tensor_format, str(dtype), interleaved, partial, str(mode))) % 2**31)
     t_before = t.clone()

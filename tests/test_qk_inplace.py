@@ -53,7 +53,7 @@ def _pair(tensor_format, hq, hk, dtype, seed, mode=None, layout="contiguous"):
 @pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
 def test_qk_matches_two_calls_and_float64(tensor_format, interleaved, hq, hk, mode, angle_source,  # noqa: F811
                                           poison_outputs):  # noqa: F811
-    needs_angle_source(angle_source, tensor_format, interleaved)
+    needs_angle_source(angle_source, interleaved)
     q, k, gen, kw = _pair(tensor_format, hq, hk, torch.bfloat16, seed=hq * 10 + hk, mode=mode)
     d2 = 24  # partial rotary: the tail is copied for both tensors
     freqs = make_freqs(64, d2, gen)
@@ -136,7 +136,7 @@ def test_inplace_equals_out_of_place(tensor_format, interleaved, layout, d2, ang
     """Same values bitwise, in t's own memory and strides. (On a GPU this is also the race test:
     a program whose layout is wider than its tile would, without the barrier, store some rotated
     values before other threads load them; rows < 8 and d2 = 12 make such tiles.)"""
-    needs_angle_source(angle_source, tensor_format, interleaved)
+    needs_angle_source(angle_source, interleaved)
     q, k, gen, kw = _pair(tensor_format, 3, 1, torch.bfloat16, seed=4, layout=layout)
     freqs = make_freqs(64, d2, gen)
     kw["interleaved"] = interleaved
