@@ -84,6 +84,16 @@ def _pin(v, PIN: tl.constexpr):
 
 
 @triton.jit
+def _shared_load(ptrs, mask, other):
+    """A load of what many programs read (cos/sin table or angle rows, cu_seqlens, start_positions),
+    marked to stay in L2 ahead of `t`, which streams through once. Without the mark, `t`'s lines
+    evict a table row between the programs that share it (bshd reads row s again one batch entry,
+    32 MB, later): Llama bshd bf16 89.0 -> 93.4 % of copy on an H200, sbhd 90.8 -> 93.1
+    (BENCHMARKS.md, note 17). Marking `t`'s own loads evict_first instead was 1-5 points slower."""
+    return tl.load(ptrs, mask=mask, other=other, eviction_policy="evict_last")
+
+
+@triton.jit
 def _program(n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr, SPLIT: tl.constexpr):
     """(s index, b index, row chunk) of this program, in the memory order described above.
 
@@ -120,13 +130,13 @@ def _sequence_of(token, cu_ptr, n_seqs, cp_size, FANOUT: tl.constexpr):
     lanes = tl.arange(0, FANOUT) + 1
     lo = 0
     span = n_seqs + 1  # candidates lo .. lo + span - 1; cu[lo] <= token holds throughout
-    start = tl.load(cu_ptr).to(tl.int64) // cp_size
+    start = tl.load(cu_ptr, eviction_policy="evict_last").to(tl.int64) // cp_size
     end = start * 0 + 0x7FFFFFFFFFFFFFFF  # no entry above `token` seen yet (only past the last sequence)
     while span > 1:
         step = (span + FANOUT - 1) // FANOUT
         idx = lo + lanes * step
         ok = (idx < lo + span) & (idx <= n_seqs)
-        v = tl.load(cu_ptr + idx, mask=ok, other=0).to(tl.int64) // cp_size
+        v = _shared_load(cu_ptr + idx, ok, 0).to(tl.int64) // cp_size
         below = ok & (v <= token)
         lo = lo + tl.sum(below.to(tl.int32), axis=0) * step
         start = tl.maximum(start, tl.max(tl.where(below, v, start), axis=0))
@@ -151,7 +161,7 @@ def _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank
         c = length // 2
         pos = tl.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
     if HAS_START:
-        pos = pos + tl.load(start_ptr + seq_idx).to(tl.int64)
+        pos = pos + tl.load(start_ptr + seq_idx, eviction_policy="evict_last").to(tl.int64)
     return pos
 
 
@@ -179,15 +189,13 @@ def _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd,
     k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
     f_row = freqs_ptr + tl.where(pos_ok, pos, 0) * stride_fs
     if TABLE:
-        cos_a = tl.where(pos_ok, tl.load(f_row + col_a * stride_fd, mask=k_ok, other=0.0), float("nan"))
-        cos_b = tl.where(pos_ok, tl.load(f_row + col_b * stride_fd, mask=k_ok, other=0.0), float("nan"))
-        sin_fa = tl.where(pos_ok, tl.load(f_row + (ROT_DIM + col_a) * stride_fd, mask=k_ok, other=0.0),
-                          float("nan"))
-        sin_fb = tl.where(pos_ok, tl.load(f_row + (ROT_DIM + col_b) * stride_fd, mask=k_ok, other=0.0),
-                          float("nan"))
+        cos_a = tl.where(pos_ok, _shared_load(f_row + col_a * stride_fd, k_ok, 0.0), float("nan"))
+        cos_b = tl.where(pos_ok, _shared_load(f_row + col_b * stride_fd, k_ok, 0.0), float("nan"))
+        sin_fa = tl.where(pos_ok, _shared_load(f_row + (ROT_DIM + col_a) * stride_fd, k_ok, 0.0), float("nan"))
+        sin_fb = tl.where(pos_ok, _shared_load(f_row + (ROT_DIM + col_b) * stride_fd, k_ok, 0.0), float("nan"))
     else:
-        fa = tl.where(pos_ok, tl.load(f_row + col_a * stride_fd, mask=k_ok, other=0.0), float("nan"))
-        fb = tl.where(pos_ok, tl.load(f_row + col_b * stride_fd, mask=k_ok, other=0.0), float("nan"))
+        fa = tl.where(pos_ok, _shared_load(f_row + col_a * stride_fd, k_ok, 0.0), float("nan"))
+        fb = tl.where(pos_ok, _shared_load(f_row + col_b * stride_fd, k_ok, 0.0), float("nan"))
         cos_a = _pin(tl.cos(fa), PIN)
         cos_b = _pin(tl.cos(fb), PIN)
         sin_fa = _pin(tl.sin(fa), PIN)

@@ -15,6 +15,7 @@ import os
 import torch
 import triton
 
+from . import _fastlaunch
 from ._kernel import rope_kernel, rope_qk_kernel
 from ._validate import Layout
 
@@ -100,7 +101,7 @@ def _cdiv(a, b):
 class Plan:
     """Grid, scalar arguments and, once compiled, the direct launcher for one call signature."""
 
-    __slots__ = ("kernel", "grid", "scalars", "num_warps", "device", "compiled")
+    __slots__ = ("kernel", "grid", "scalars", "num_warps", "device", "compiled", "fast")
 
     def __init__(self, kernel, grid, scalars, num_warps, device):
         self.kernel = kernel
@@ -109,6 +110,7 @@ class Plan:
         self.scalars = scalars  # every argument after the pointers, in the kernel's order
         self.num_warps = num_warps
         self.compiled = None
+        self.fast = None  # (launch, function, threads, shared memory, parameter block): rope._fastlaunch
 
     def arg(self, name: str):
         """The value of the kernel's scalar argument `name` (tests and tools; not on the hot path)."""
@@ -316,8 +318,18 @@ def _hooks_set() -> bool:
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
 def run(plan: Plan, pointers: tuple):
     """Launch `plan` on its pointer arguments (tensors; None for an unused index tensor)."""
+    fast = plan.fast
+    if fast is not None and not _hooks_set():
+        # The lean C launch (rope._fastlaunch): the plan's parameter block with this call's pointers.
+        # False only on a thread with no current CUDA context, which Triton's launcher sets up.
+        launch, function, threads, shared, block = fast
+        if launch(function, plan.grid[0], threads, shared, _raw_stream(plan.device), block, *map(_data_ptr, pointers)):
+            return
     compiled = plan.compiled
     if compiled is not None and not _hooks_set():
         # The compiled kernel's C launcher, called as Triton's own CompiledKernel runner calls it
@@ -335,3 +347,5 @@ def run(plan: Plan, pointers: tuple):
     if not INTERPRET:
         compiled._init_handles()
         plan.compiled = compiled
+        if plan.grid[1:] == (1, 1):
+            plan.fast = _fastlaunch.prepare(compiled, plan.kernel.arg_names, len(pointers), plan.scalars)

@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from .._kernel import rope_kernel, rope_qk_kernel
 
 CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "INTERLEAVED", "BACKWARD", "IS_THD", "GROUP_PER_BATCH", "HAS_START", "USE_CP",
-              "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE", "SPLIT")
+              "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE", "SPLIT", "FANOUT")
 
 
 def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=False, backward=False, thd=False,
@@ -31,7 +31,7 @@ def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=Fa
     values = dict(HEAD_DIM=d, ROT_DIM=d2, INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=thd,
                   GROUP_PER_BATCH=start and not thd, HAS_START=start, USE_CP=cp, BLOCK_R=block_r,
                   BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, RNE_BF16=False, PIN=True, INPLACE=inplace,
-                  TABLE=table, SPLIT=split)
+                  TABLE=table, SPLIT=split, FANOUT=32 if thd else 1)
     signature, constexprs, attrs = {}, dict(values), {}
     for i, name in enumerate(kernel.arg_names):
         if name in CONSTEXPRS:
@@ -52,8 +52,8 @@ def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=Fa
 
 def summarize(compiled) -> str:
     ptx = compiled.asm["ptx"]
-    loads = Counter(re.findall(r"ld\.global[\.\w]*", ptx))
-    stores = Counter(re.findall(r"st\.global[\.\w]*", ptx))
+    loads = Counter(re.findall(r"ld\.global[\.\w:]*", ptx))
+    stores = Counter(re.findall(r"st\.global[\.\w:]*", ptx))
     return (f"sin {ptx.count('__nv_sinf.exit')} cos {ptx.count('__nv_cosf.exit')} "
             f"approx {ptx.count('sin.approx') + ptx.count('cos.approx')} shared {compiled.metadata.shared} B | "
             f"loads {dict(loads)} | stores {dict(stores)}")
@@ -67,6 +67,7 @@ VARIANTS = [
     ("thd + start_positions", dict(thd=True, start=True)),
     ("in place, cp", dict(inplace=True, cp=True)),
     ("table, half-split bf16 d128", dict(table=True, block_r=8, num_warps=1, split=True)),
+    ("table, thd bf16 d128", dict(table=True, thd=True, block_r=8, num_warps=1, split=True)),
 ]
 
 
