@@ -10,8 +10,9 @@ rows with one position, and a program handles a chunk of one group's rows (rows_
 multiple of the tile height BLOCK_R).
 - sbhd/bshd without start_positions: group = one s index, rows = all b*h (b, h) pairs.
 - sbhd/bshd with start_positions:    group = one (s, b) pair, rows = its h heads.
-- thd:                               group = one token, rows = its h heads; its sequence is found
-                                     by a search of cu_seqlens, so the grid is sized by tokens.
+- thd:                               group = one token, rows = its h heads; its position is read
+                                     from a table, or its sequence found by a search of cu_seqlens,
+                                     so the grid is sized by tokens.
 The grid is one-dimensional and its order follows memory: consecutive programs read neighbouring
 addresses, as a copy kernel does. Program `pid` takes row chunk `pid % inner` of a run of `inner`
 consecutive chunks, then the groups, then the runs (`inner` = chunks per group when a group's
@@ -147,21 +148,29 @@ def _sequence_of(token, cu_ptr, n_seqs, cp_size, FANOUT: tl.constexpr):
 
 @triton.jit
 def _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank,
-              IS_THD: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr, FANOUT: tl.constexpr):
-    """Position of the group's token(s) (SPEC.md section 3)."""
-    if IS_THD:
-        seq_idx, seq_start, length = _sequence_of(s_idx, cu_ptr, n_seqs, cp_size, FANOUT)
-        j = s_idx - seq_start
+              IS_THD: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr, FANOUT: tl.constexpr,
+              POS_TABLE: tl.constexpr):
+    """Position of the group's token(s) (SPEC.md section 3).
+
+    POS_TABLE (thd without start_positions): cu_ptr is `rope._table`'s position table, one entry
+    per token, read instead of searching cu_seqlens (one dependent load instead of 2-3 rounds).
+    """
+    if POS_TABLE:
+        pos = tl.load(cu_ptr + s_idx, eviction_policy="evict_last")
     else:
-        length = seq_len
-        j = s_idx
-        seq_idx = b_idx
-    pos = j
-    if USE_CP:
-        c = length // 2
-        pos = tl.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
-    if HAS_START:
-        pos = pos + tl.load(start_ptr + seq_idx, eviction_policy="evict_last").to(tl.int64)
+        if IS_THD:
+            seq_idx, seq_start, length = _sequence_of(s_idx, cu_ptr, n_seqs, cp_size, FANOUT)
+            j = s_idx - seq_start
+        else:
+            length = seq_len
+            j = s_idx
+            seq_idx = b_idx
+        pos = j
+        if USE_CP:
+            c = length // 2
+            pos = tl.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
+        if HAS_START:
+            pos = pos + tl.load(start_ptr + seq_idx, eviction_policy="evict_last").to(tl.int64)
     return pos
 
 
@@ -327,7 +336,7 @@ def rope_kernel(
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
-    FANOUT: tl.constexpr,
+    FANOUT: tl.constexpr, POS_TABLE: tl.constexpr,
 ):
     s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
     r_begin = chunk * rows_per_program
@@ -341,7 +350,7 @@ def rope_kernel(
     xa, xb, tail = _load_chunk(x_rp, x_rp, r_ok, r_ok, stride_xd, stride_xd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
                                BLOCK_HALF, BLOCK_TAIL, INPLACE)
     pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP,
-                   FANOUT)
+                   FANOUT, POS_TABLE)
     cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
                                          BACKWARD, BLOCK_HALF, PIN, TABLE)
     _store_chunk(o_rp, o_rp, r_ok, r_ok, stride_od, stride_od, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
@@ -370,7 +379,7 @@ def rope_qk_kernel(
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
-    FANOUT: tl.constexpr,
+    FANOUT: tl.constexpr, POS_TABLE: tl.constexpr,
 ):
     """q and k of one layer in one launch: a group's angles are read and evaluated once for both.
 
@@ -392,7 +401,7 @@ def rope_qk_kernel(
     xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
                                BLOCK_HALF, BLOCK_TAIL, INPLACE)
     pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP,
-                   FANOUT)
+                   FANOUT, POS_TABLE)
     cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
                                          BACKWARD, BLOCK_HALF, PIN, TABLE)
     _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,

@@ -43,8 +43,11 @@ _TABLE_ROWS = 8
 # takes several rounds of dependent loads (more sequences than _SEARCH_FANOUT), a program covers
 # 4 KB of `t` (one token, or part of it) to amortise them: 2 KB measured 5-18 points slower,
 # 8-16 KB 1-4 points. With one round, one tile is best again (few long sequences: 92 against
-# 91 % of copy; note 15).
+# 91 % of copy; note 15). Where the token's position is read from a table instead (the same
+# calls, without start_positions: `rope._table.token_positions`), 2 KB programs are best (2048
+# sequences of 8 tokens: 96.3 % of copy against 93.5 with 4 KB; note 19).
 _TABLE_THD_BYTES = 4096
+_POS_TABLE_THD_BYTES = 2048
 _TABLE_BYTES_PER_THREAD = 32
 _TABLE_BYTES_PER_THREAD_SMALL = 16
 _THREADS_PER_SM = 2048
@@ -171,12 +174,13 @@ def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group:
 
 
 def _rows_per_program(n_groups: int, rows: int, block_r: int, spans_batch: bool, element_size: int,
-                      full_rotary: bool, table: bool, device, row_bytes: int = 0) -> int:
+                      full_rotary: bool, table: bool, device, row_bytes: int = 0, pos_table: bool = False) -> int:
     """Rows of a group per program (a multiple of block_r) by the rules above; `row_bytes` as
     `_thd_row_bytes` gives it."""
     if table:
         if row_bytes:
-            return min(_cdiv(rows, block_r), max(1, _TABLE_THD_BYTES // (row_bytes * block_r))) * block_r
+            program_bytes = _POS_TABLE_THD_BYTES if pos_table else _TABLE_THD_BYTES
+            return min(_cdiv(rows, block_r), max(1, program_bytes // (row_bytes * block_r))) * block_r
         return block_r
     if spans_batch and element_size <= 2 and full_rotary:
         return _cdiv(_EVAL_ROWS_16BIT, block_r) * block_r
@@ -210,13 +214,20 @@ def _inner(roles: tuple, spans_batch: bool, n_batch: int, heads: int, rows_per_p
     return 1
 
 
+def reads_positions(tensor_format: str, has_start: bool, n_seqs: int) -> bool:
+    """Whether a call reads its tokens' positions from a table (where one may be built) instead of
+    searching cu_seqlens: thd without start_positions, where the search takes several rounds."""
+    return tensor_format == "thd" and not has_start and n_seqs >= _SEARCH_FANOUT
+
+
 def _thd_row_bytes(x, layout, tensor_format) -> int:
-    """Bytes per row where a thd program's search takes several rounds, else 0 (see above)."""
+    """Bytes per row where a thd program's search takes several rounds, or where it reads the
+    position table, else 0 (see above)."""
     return x.element_size() * layout.d if tensor_format == "thd" and layout.n_seqs >= _SEARCH_FANOUT else 0
 
 
 def _decomposition(x, layout, tensor_format, interleaved, per_batch, n_groups, rows, widest_rows, tensor_bytes,
-                   table, run_heads):
+                   table, run_heads, pos_table):
     """(tile, rows per program, chunks per group, inner, x's strides in roles) for a launch over
     `rows` rows per group; `run_heads` as in `_inner`."""
     spans_batch = not per_batch and tensor_format != "thd"
@@ -224,7 +235,7 @@ def _decomposition(x, layout, tensor_format, interleaved, per_batch, n_groups, r
     tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), widest_rows, per_thread)
     rows_per_program = _rows_per_program(n_groups, rows, tile[0], spans_batch, x.element_size(),
                                          layout.rot_dim == layout.d, table, x.device,
-                                         _thd_row_bytes(x, layout, tensor_format))
+                                         _thd_row_bytes(x, layout, tensor_format), pos_table)
     chunks = _cdiv(rows, rows_per_program)
     _check_index_range(n_groups * chunks, rows + rows_per_program)
     roles = _roles(x, tensor_format)
@@ -241,11 +252,12 @@ def _groups(layout: Layout, tensor_format: str, has_start: bool, h: int):
 
 
 def _constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, dtype, inplace,
-                table, chunks):
+                table, chunks, pos_table):
     block_r, block_half, block_tail, _ = tile
     return (layout.d, layout.rot_dim, interleaved, backward, tensor_format == "thd", per_batch, has_start,
             cp_size > 1, block_r, block_half, block_tail, INTERPRET and dtype == torch.bfloat16, not INTERPRET,
-            inplace, table, chunks > 1, _SEARCH_FANOUT if tensor_format == "thd" else 1)
+            inplace, table, chunks > 1, _SEARCH_FANOUT if tensor_format == "thd" and not pos_table else 1,
+            pos_table)
 
 
 def _angle_strides(angles: torch.Tensor) -> tuple:
@@ -255,25 +267,27 @@ def _angle_strides(angles: torch.Tensor) -> tuple:
 
 
 def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: bool, has_start: bool,
-              cp_size: int, cp_rank: int, angles: torch.Tensor, backward: bool, inplace: bool = False) -> Plan:
-    """`angles`: float32 `freqs`, or its cos/sin table (3-D), as the kernel will read it."""
+              cp_size: int, cp_rank: int, angles: torch.Tensor, backward: bool, inplace: bool = False,
+              pos_table: bool = False) -> Plan:
+    """`angles`: float32 `freqs`, or its cos/sin table (3-D), as the kernel will read it; `pos_table`:
+    the kernel's cu_seqlens argument is the position table (`rope._table.token_positions`)."""
     table = angles.dim() == 3
     n_groups, rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
     tile, rows_per_program, chunks, inner, roles = _decomposition(
         x, layout, tensor_format, interleaved, per_batch, n_groups, rows, rows, x.numel() * x.element_size(), table,
-        layout.h)
+        layout.h, pos_table)
     scalars = (
         layout.h, layout.b, rows, rows_per_program, n_groups, inner, layout.s, layout.n_seqs, layout.freqs_len,
         cp_size, cp_rank, *roles, *_out_roles(x, tensor_format, inplace), *_angle_strides(angles),
         *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, x.dtype,
-                     inplace, table, chunks),
+                     inplace, table, chunks, pos_table),
     )
     return Plan(rope_kernel, (n_groups * chunks, 1, 1), scalars, tile[3], x.device)
 
 
 def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int, tensor_format: str,
                  interleaved: bool, has_start: bool, cp_size: int, cp_rank: int, angles: torch.Tensor,
-                 backward: bool, inplace: bool = False) -> Plan:
+                 backward: bool, inplace: bool = False, pos_table: bool = False) -> Plan:
     """One launch for q and k (same tokens, head dim and dtype; head counts may differ)."""
     table = angles.dim() == 3
     n_groups, q_rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
@@ -281,7 +295,7 @@ def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int,
     # The joint rows (q's b x h, then k's) hold no run of one batch entry's heads: run_heads=0.
     tile, rows_per_program, chunks, inner, roles = _decomposition(
         q, layout, tensor_format, interleaved, per_batch, n_groups, q_rows + k_rows, max(q_rows, k_rows),
-        (q.numel() + k.numel()) * q.element_size(), table, 0)
+        (q.numel() + k.numel()) * q.element_size(), table, 0, pos_table)
     scalars = (
         layout.h, k_heads, layout.b, q_rows, k_rows, rows_per_program, n_groups, inner, layout.s, layout.n_seqs,
         layout.freqs_len, cp_size, cp_rank,
@@ -289,7 +303,7 @@ def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int,
         *_roles(k, tensor_format), *_out_roles(k, tensor_format, inplace),
         *_angle_strides(angles),
         *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, q.dtype,
-                     inplace, table, chunks),
+                     inplace, table, chunks, pos_table),
     )
     return Plan(rope_qk_kernel, (n_groups * chunks, 1, 1), scalars, tile[3], q.device)
 

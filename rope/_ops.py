@@ -19,10 +19,11 @@ OP_NAME = "rope::rotate"
 def rotate(x: torch.Tensor, freqs: torch.Tensor, start_positions: Optional[torch.Tensor],
            cu_seqlens: Optional[torch.Tensor], tensor_format: str, interleaved: bool, cp_size: int,
            cp_rank: int, backward: bool) -> torch.Tensor:
-    from .functional import _call_for, _rotate, angles_for
+    from .functional import _call_for, _rotate, angles_for, token_index_for
 
     call = _call_for(x, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
-    return _rotate(call, x, angles_for(call, freqs), start_positions, cu_seqlens, backward)
+    token_index, pos_table = token_index_for(call, cu_seqlens)
+    return _rotate(call, x, angles_for(call, freqs), start_positions, token_index, backward, False, pos_table)
 
 
 @rotate.register_fake

@@ -1,4 +1,5 @@
-"""cos/sin of `freqs`, evaluated once per `freqs` tensor and read by the kernel as a table.
+"""Tables derived once per input tensor and read by the kernel: cos/sin of `freqs`, and the position
+of every `thd` token from `cu_seqlens`.
 
 Every layer of a step (and q and k) passes the same `freqs`. Evaluating accurate float32 sin/cos
 inside the kernel puts a dependent chain (load angles, tens of instructions, a shared-memory move)
@@ -7,16 +8,23 @@ kernel use wider tiles (BENCHMARKS.md, note 11). The table is `[freqs_len, 2, ro
 row p holds cos(freqs[p]) then sin(freqs[p]), computed by PyTorch (CUDA's cosf/sinf, the same
 functions the kernel would evaluate).
 
-A table is reused while it provably describes `freqs`: the same live tensor (identity, checked
-through a weak reference, so a new tensor at a recycled address never matches), the same storage
-address, and the same version counter (PyTorch bumps it on every in-place write it performs). A
-write PyTorch does not see (through `.data`, DLPack, or a foreign kernel) would leave a stale
-table: `set_angle_table(False)` turns tables off for code that writes `freqs` that way.
+The position table is `[T]` int64: token i's position within its sequence (context parallel
+mapping included), computed by PyTorch from `cu_seqlens`. It replaces each program's search of
+`cu_seqlens` (2-3 rounds of dependent loads with thousands of sequences) by one load (BENCHMARKS.md,
+note 19), so it is built only for `thd` calls with at least `_launch._SEARCH_FANOUT` sequences and
+no `start_positions`.
 
-No table, and the kernel evaluates sin/cos itself, when:
-- a CUDA graph is being captured: replays read whatever `freqs` then holds, which a table
+A table is reused while it provably describes its source tensor: the same live tensor (identity,
+checked through a weak reference, so a new tensor at a recycled address never matches), the same
+storage address, and the same version counter (PyTorch bumps it on every in-place write it
+performs). A write PyTorch does not see (through `.data`, DLPack, or a foreign kernel) would leave
+a stale table: `set_angle_table(False)` turns tables off for code that writes `freqs` or
+`cu_seqlens` that way.
+
+No table, and the kernel evaluates sin/cos (searches `cu_seqlens`) itself, when:
+- a CUDA graph is being captured: replays read whatever the source then holds, which a table
   computed before the capture would not follow;
-- `freqs` is an inference tensor (no version counter), which serving code creates per call;
+- the source is an inference tensor (no version counter), which serving code creates per call;
 - tables are switched off.
 """
 from __future__ import annotations
@@ -33,11 +41,13 @@ _MAX_TABLES = 32  # distinct live `freqs` tensors kept; more than a model has at
 
 
 def set_angle_table(enabled: bool) -> None:
-    """Read cos/sin from a table cached per `freqs` tensor (default), or evaluate them in the kernel.
+    """Read cos/sin from a table cached per `freqs` tensor and `thd` positions from a table cached per
+    `cu_seqlens` tensor (default), or evaluate sin/cos and search `cu_seqlens` in the kernel.
 
-    Both give the same values on a GPU (the same float32 functions). Turn tables off if `freqs` is
-    modified in place in ways PyTorch's version counter does not see, or to save their memory
-    (2 x the float32 size of `freqs` per live `freqs` tensor).
+    Both give the same positions, and cos/sin of the same values on a GPU (the same float32
+    functions). Turn tables off if `freqs` or `cu_seqlens` is modified in place in ways PyTorch's
+    version counter does not see, or to save their memory (2 x the float32 size of `freqs` per
+    live `freqs` tensor, 8 bytes per token per live `cu_seqlens` tensor).
     """
     _ENABLED[0] = bool(enabled)
     if not enabled:
@@ -86,25 +96,55 @@ def _build(freqs: torch.Tensor, freqs_len: int, rot_dim: int) -> torch.Tensor:
     return table
 
 
-def cos_sin_table(freqs: torch.Tensor, freqs_len: int, rot_dim: int):
-    """The table for `freqs` (built on first use), or None where none may be used (see above)."""
-    if not _ENABLED[0] or freqs.is_inference():
+def _cached(src: torch.Tensor, key, build):
+    """build() once per `key` (it starts with id(src)) while `src` provably holds the same values,
+    or None where no table may be used (see above)."""
+    if not _ENABLED[0] or src.is_inference():
         return None
-    capturing = freqs.is_cuda and capturing_on(freqs.get_device())
+    capturing = src.is_cuda and capturing_on(src.get_device())
     if capturing and not _PREBUILT_IN_CAPTURE[0]:
         return None
-    key = id(freqs)
     entry = _TABLES.get(key)
     if entry is not None:
         ref, ptr, version, table = entry
-        if ref() is freqs and ptr == freqs.data_ptr() and version == freqs._version:
+        if ref() is src and ptr == src.data_ptr() and version == src._version:
             return table
     if capturing:
         return None
-    table = _build(freqs, freqs_len, rot_dim)
+    table = build()
     if len(_TABLES) >= _MAX_TABLES:
         _TABLES.clear()
-    # The entry goes when `freqs` does, so a table never outlives its angles in memory.
-    ref = weakref.ref(freqs, lambda _, key=key: _TABLES.pop(key, None))
-    _TABLES[key] = (ref, freqs.data_ptr(), freqs._version, table)
+    # The entry goes when `src` does, so a table never outlives its source in memory.
+    ref = weakref.ref(src, lambda _, key=key: _TABLES.pop(key, None))
+    _TABLES[key] = (ref, src.data_ptr(), src._version, table)
     return table
+
+
+def cos_sin_table(freqs: torch.Tensor, freqs_len: int, rot_dim: int):
+    """The table for `freqs` (built on first use), or None where none may be used (see above)."""
+    return _cached(freqs, id(freqs), lambda: _build(freqs, freqs_len, rot_dim))
+
+
+def _build_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Position of each local token (SPEC.md section 3): its offset j in the sequence whose local range
+    holds it (the last such sequence: empty ones are skipped), mapped to the global position under
+    context parallelism. No host-device synchronization."""
+    cu = cu_seqlens.to(torch.int64) // cp_size
+    n_seqs = cu.shape[0] - 1
+    tokens = torch.arange(n_tokens, dtype=torch.int64, device=cu.device)
+    seq = (torch.searchsorted(cu, tokens, right=True) - 1).clamp_(0, n_seqs)
+    start = cu[seq]
+    j = tokens - start
+    if cp_size == 1:
+        return j
+    c = (cu[(seq + 1).clamp_(max=n_seqs)] - start) // 2
+    pos = torch.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
+    # A token past the last sequence exists only with value checks off: no position (the kernel
+    # then writes NaN to its rotated channels, as for any position outside freqs).
+    return torch.where(seq < n_seqs, pos, -1)
+
+
+def token_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_rank: int):
+    """The position table for `cu_seqlens` (built on first use), or None where none may be used."""
+    return _cached(cu_seqlens, (id(cu_seqlens), n_tokens, cp_size, cp_rank),
+                   lambda: _build_positions(cu_seqlens, n_tokens, cp_size, cp_rank))

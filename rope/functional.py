@@ -4,15 +4,15 @@ from __future__ import annotations
 import torch
 
 from . import _launch, _ops, reference
-from ._launch import INTERPRET, make_plan, make_qk_plan, run
-from ._table import cos_sin_table
+from ._launch import INTERPRET, make_plan, make_qk_plan, reads_positions, run
+from ._table import cos_sin_table, token_positions
 from ._validate import check_disjoint, check_inplace, check_pair, check_positions, check_static
 
 
 class _Call:
     """What a call signature needs after its checks: the layout and the plans per direction/strides."""
 
-    __slots__ = ("layout", "args", "checks_values", "reads_table", "plans")
+    __slots__ = ("layout", "args", "checks_values", "reads_table", "reads_positions", "plans")
 
     def __init__(self, layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank):
         self.layout = layout
@@ -22,28 +22,31 @@ class _Call:
         # half-split, every format, with or without start_positions (decode 2.06 -> 1.83 µs, thd
         # float32 80 -> 98 % of copy). Interleaved has no table tile.
         self.reads_table = not interleaved
+        # thd without start_positions, with enough sequences that each program's search of
+        # cu_seqlens takes several rounds: positions from a table (note 19: 93.5 -> 96.3 % of copy).
+        self.reads_positions = reads_positions(tensor_format, start_positions is not None, layout.n_seqs)
         self.plans = {}
 
-    def plan(self, x, angles, backward, inplace=False):
+    def plan(self, x, angles, backward, inplace=False, pos_table=False):
         # The call's key fixes freqs.shape, hence the angle source's shape; angles.stride() has 4
         # entries for `freqs` and 3 for its table, so it also tells the two sources apart.
-        key = (backward, inplace, x.stride(), x.data_ptr() % 16, angles.stride(), angles.data_ptr() % 16)
+        key = (backward, inplace, pos_table, x.stride(), x.data_ptr() % 16, angles.stride(), angles.data_ptr() % 16)
         plan = self.plans.get(key)
         if plan is None:
             fmt, interleaved, has_start, cp_size, cp_rank = self.args
             plan = make_plan(x, self.layout, fmt, interleaved, has_start, cp_size, cp_rank, angles,
-                             backward, inplace)
+                             backward, inplace, pos_table)
             self.plans[key] = plan
         return plan
 
-    def qk_plan(self, q, k, k_heads, angles, backward, inplace=False):
-        key = ("qk", backward, inplace, q.stride(), q.data_ptr() % 16, k.shape, k.stride(), k.data_ptr() % 16,
-               angles.stride(), angles.data_ptr() % 16)
+    def qk_plan(self, q, k, k_heads, angles, backward, inplace=False, pos_table=False):
+        key = ("qk", backward, inplace, pos_table, q.stride(), q.data_ptr() % 16, k.shape, k.stride(),
+               k.data_ptr() % 16, angles.stride(), angles.data_ptr() % 16)
         plan = self.plans.get(key)
         if plan is None:
             fmt, interleaved, has_start, cp_size, cp_rank = self.args
             plan = make_qk_plan(q, k, self.layout, k_heads, fmt, interleaved, has_start, cp_size, cp_rank,
-                                angles, backward, inplace)
+                                angles, backward, inplace, pos_table)
             self.plans[key] = plan
         return plan
 
@@ -84,59 +87,73 @@ def angles_for(call, freqs):
     return freqs if freqs.dtype == torch.float32 else freqs.float()
 
 
-def _pointers(angles, start_positions, cu_seqlens):
+def token_index_for(call, cu_seqlens):
+    """What the kernel reads to place `thd` tokens, and whether it is the position table: the table
+    cached per `cu_seqlens` (`rope._table`) where the call reads one and one may be used, else
+    `cu_seqlens` itself, which each program searches."""
+    if call.reads_positions:
+        _, _, _, cp_size, cp_rank = call.args
+        table = token_positions(cu_seqlens, call.layout.s, cp_size, cp_rank)
+        if table is not None:
+            return table, True
+    return cu_seqlens, False
+
+
+def _pointers(angles, start_positions, token_index):
     # Unused index tensors still need a valid pointer argument; the kernel never reads them.
     return angles, start_positions if start_positions is not None else angles, \
-        cu_seqlens if cu_seqlens is not None else angles
+        token_index if token_index is not None else angles
 
 
-def _rotate(call, x, angles, start_positions, cu_seqlens, backward, inplace=False):
+def _rotate(call, x, angles, start_positions, token_index, backward, inplace=False, pos_table=False):
     out = x if inplace else _launch.empty(x)
     if out.numel():
-        run(call.plan(x, angles, backward, inplace), (x, out, *_pointers(angles, start_positions, cu_seqlens)))
+        run(call.plan(x, angles, backward, inplace, pos_table),
+            (x, out, *_pointers(angles, start_positions, token_index)))
     return out
 
 
-def _rotate_qk(call, q, k, angles, start_positions, cu_seqlens, backward, inplace=False):
+def _rotate_qk(call, q, k, angles, start_positions, token_index, backward, inplace=False, pos_table=False):
     qo = q if inplace else _launch.empty(q)
     ko = k if inplace else _launch.empty(k)
     if qo.numel() or ko.numel():
-        plan = call.qk_plan(q, k, k.shape[-2], angles, backward, inplace)
-        run(plan, (q, qo, k, ko, *_pointers(angles, start_positions, cu_seqlens)))
+        plan = call.qk_plan(q, k, k.shape[-2], angles, backward, inplace, pos_table)
+        run(plan, (q, qo, k, ko, *_pointers(angles, start_positions, token_index)))
     return qo, ko
 
 
 class _RoPEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, angles, start_positions, cu_seqlens, call, inplace):
+    def forward(ctx, t, angles, start_positions, token_index, pos_table, call, inplace):
         ctx.call = call
-        ctx.inputs = (angles, start_positions, cu_seqlens)
-        out = _rotate(call, t, angles, start_positions, cu_seqlens, False, inplace)
+        ctx.inputs = (angles, start_positions, token_index, pos_table)
+        out = _rotate(call, t, angles, start_positions, token_index, False, inplace, pos_table)
         if inplace:
             ctx.mark_dirty(t)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        angles, start_positions, cu_seqlens = ctx.inputs
-        return _rotate(ctx.call, grad_out, angles, start_positions, cu_seqlens, True), None, None, None, None, None
+        angles, start_positions, token_index, pos_table = ctx.inputs
+        grad = _rotate(ctx.call, grad_out, angles, start_positions, token_index, True, False, pos_table)
+        return grad, None, None, None, None, None, None
 
 
 class _RoPEQKFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, angles, start_positions, cu_seqlens, call, inplace):
+    def forward(ctx, q, k, angles, start_positions, token_index, pos_table, call, inplace):
         ctx.call = call
-        ctx.inputs = (angles, start_positions, cu_seqlens)
-        qo, ko = _rotate_qk(call, q, k, angles, start_positions, cu_seqlens, False, inplace)
+        ctx.inputs = (angles, start_positions, token_index, pos_table)
+        qo, ko = _rotate_qk(call, q, k, angles, start_positions, token_index, False, inplace, pos_table)
         if inplace:
             ctx.mark_dirty(q, k)
         return qo, ko
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        angles, start_positions, cu_seqlens = ctx.inputs
-        gq, gk = _rotate_qk(ctx.call, grad_q, grad_k, angles, start_positions, cu_seqlens, True)
-        return gq, gk, None, None, None, None, None
+        angles, start_positions, token_index, pos_table = ctx.inputs
+        gq, gk = _rotate_qk(ctx.call, grad_q, grad_k, angles, start_positions, token_index, True, False, pos_table)
+        return gq, gk, None, None, None, None, None, None
 
 
 def _use_reference(fused, t) -> bool:
@@ -175,9 +192,10 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     if call.checks_values:
         check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     angles = angles_for(call, freqs)
+    token_index, pos_table = token_index_for(call, cu_seqlens)
     if t.requires_grad and torch.is_grad_enabled():
-        return _RoPEFunction.apply(t, angles, start_positions, cu_seqlens, call, inplace)
-    return _rotate(call, t, angles, start_positions, cu_seqlens, False, inplace)
+        return _RoPEFunction.apply(t, angles, start_positions, token_index, pos_table, call, inplace)
+    return _rotate(call, t, angles, start_positions, token_index, False, inplace, pos_table)
 
 
 def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -204,6 +222,7 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
     if call.checks_values:
         check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     angles = angles_for(call, freqs)
+    token_index, pos_table = token_index_for(call, cu_seqlens)
     if (q.requires_grad or k.requires_grad) and torch.is_grad_enabled():
-        return _RoPEQKFunction.apply(q, k, angles, start_positions, cu_seqlens, call, inplace)
-    return _rotate_qk(call, q, k, angles, start_positions, cu_seqlens, False, inplace)
+        return _RoPEQKFunction.apply(q, k, angles, start_positions, token_index, pos_table, call, inplace)
+    return _rotate_qk(call, q, k, angles, start_positions, token_index, False, inplace, pos_table)

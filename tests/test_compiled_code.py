@@ -17,6 +17,7 @@ import pytest
 VARIANTS = {
     "table-sbhd-bf16": dict(table=True, split=True, num_warps=1),
     "table-thd-bf16": dict(table=True, thd=True, split=True, num_warps=1),
+    "table-thd-positions-bf16": dict(table=True, thd=True, pos_table=True, split=True, num_warps=1),
     "table-fp32-d256": dict(table=True, d=256, d2=256, dtype="fp32", split=True, num_warps=4),
     "evaluated-bf16": dict(),
 }
@@ -48,7 +49,7 @@ def _accesses(ptx, op):
     return re.findall(rf"{op}\.global[\.\w:]*", ptx)
 
 
-@pytest.mark.parametrize("variant", ["table-sbhd-bf16", "table-thd-bf16", "table-fp32-d256"])
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.startswith("table")])
 def test_table_kernel_code(ptx, variant):
     ptx = ptx[variant]
     loads, stores = _accesses(ptx, "ld"), _accesses(ptx, "st")

@@ -321,9 +321,10 @@ def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inne
 
 
 # thd reading the table: where the search of cu_seqlens takes several rounds, a program covers a
-# few KB of its token's rows (the launcher's _TABLE_THD_BYTES), several 8-row tiles, and a token
-# with more rows is split over programs; with one round, a program is one tile. Each shape is
-# checked to take its path, then against the reference.
+# few KB of its token's rows (the launcher's _TABLE_THD_BYTES, or _POS_TABLE_THD_BYTES where the
+# positions are read from their table instead), several 8-row tiles, and a token with more rows is
+# split over programs; with one round, a program is one tile. Each shape is checked to take its
+# path, then against the reference (which the eager call runs with the position table where many).
 @pytest.mark.parametrize("h,d,dtype,many,split", [
     (20, 8, torch.float32, True, False),  # 32-byte rows: every token in one program of 3 tiles
     (40, 64, torch.bfloat16, True, True),  # 128-byte rows: 40 rows do not fit one program
@@ -344,6 +345,12 @@ def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomp
     rows_per_program = plan.arg("rows_per_program")
     assert (rows_per_program > 8) == many and (rows_per_program < h) == split
     assert plan.grid[0] == 5 * -(-h // rows_per_program)
+    positions = _launch.make_plan(t, layout, "thd", False, False, 1, 0, _table._build(freqs, 6, d), backward=False,
+                                  pos_table=True)
+    row_bytes = d * t.element_size()
+    expected = 8 * max(1, _launch._POS_TABLE_THD_BYTES // (8 * row_bytes)) if many else 8
+    assert positions.arg("rows_per_program") == min(expected, -(-h // 8) * 8)
+    assert positions.arg("POS_TABLE") and positions.arg("FANOUT") == 1
     out, grad, ref, ref_grad = run_both(t, freqs, g, tensor_format="thd", cu_seqlens=cu)
     assert_within_rounding(out, ref, t, d, False, "forward")
     assert_within_rounding(grad, ref_grad, g, d, False, "backward")
@@ -357,7 +364,9 @@ def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomp
 @pytest.mark.parametrize("fanout,cp,start", [
     (None, None, False), (None, None, True), (None, (2, 1), False), (2, None, True), (4, (3, 2), False),
 ], ids=str)
-def test_thd_many_sequences(fanout, cp, start, monkeypatch, poison_outputs):  # noqa: F811
+def test_thd_many_sequences(fanout, cp, start, angle_source, monkeypatch, poison_outputs):  # noqa: F811
+    # angle_source: with tables on, calls without start_positions read each token's position from
+    # its table (tests/test_position_table.py); with them off every call searches cu_seqlens.
     from rope import _launch, functional
 
     if fanout is not None:

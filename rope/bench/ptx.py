@@ -21,23 +21,27 @@ from triton.backends.compiler import GPUTarget
 from .._kernel import rope_kernel, rope_qk_kernel
 
 CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "INTERLEAVED", "BACKWARD", "IS_THD", "GROUP_PER_BATCH", "HAS_START", "USE_CP",
-              "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE", "SPLIT", "FANOUT")
+              "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE", "SPLIT", "FANOUT",
+              "POS_TABLE")
 
 
 def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=False, backward=False, thd=False,
-                    start=False, cp=False, inplace=False, block_r=8, num_warps=2, table=False, split=False):
+                    start=False, cp=False, inplace=False, block_r=8, num_warps=2, table=False, split=False,
+                    pos_table=False):
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
     values = dict(HEAD_DIM=d, ROT_DIM=d2, INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=thd,
                   GROUP_PER_BATCH=start and not thd, HAS_START=start, USE_CP=cp, BLOCK_R=block_r,
                   BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, RNE_BF16=False, PIN=True, INPLACE=inplace,
-                  TABLE=table, SPLIT=split, FANOUT=32 if thd else 1)
+                  TABLE=table, SPLIT=split, FANOUT=32 if thd and not pos_table else 1,
+                  POS_TABLE=pos_table)
     signature, constexprs, attrs = {}, dict(values), {}
     for i, name in enumerate(kernel.arg_names):
         if name in CONSTEXPRS:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = {"freqs_ptr": "*fp32", "start_ptr": "*i32", "cu_ptr": "*i32"}.get(name, "*" + dtype)
+            index = "*i64" if pos_table else "*i32"
+            signature[name] = {"freqs_ptr": "*fp32", "start_ptr": "*i32", "cu_ptr": index}.get(name, "*" + dtype)
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name.startswith("stride") and name.endswith("d"):  # last-dim strides of contiguous tensors
             signature[name] = "constexpr"
@@ -68,6 +72,7 @@ VARIANTS = [
     ("in place, cp", dict(inplace=True, cp=True)),
     ("table, half-split bf16 d128", dict(table=True, block_r=8, num_warps=1, split=True)),
     ("table, thd bf16 d128", dict(table=True, thd=True, block_r=8, num_warps=1, split=True)),
+    ("table, thd positions bf16", dict(table=True, thd=True, pos_table=True, block_r=8, num_warps=1, split=True)),
 ]
 
 

@@ -1,0 +1,136 @@
+"""The position table cached per `cu_seqlens` tensor (rope._table.token_positions): each packed
+token's position as SPEC.md section 3 defines it, reused exactly while it describes `cu_seqlens`,
+never stale, never used where it could not follow `cu_seqlens`, and read by the kernel where it
+replaces the search of `cu_seqlens` (thd without start_positions, many sequences)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import rope
+import rope._table as table_mod
+from rope import _launch, functional, reference
+
+from .cases import DEVICE, angle_source, make_freqs, make_t, poison_outputs  # noqa: F401
+from .numerics import assert_within_rounding
+
+
+def _cu(lengths):
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=DEVICE)
+
+
+def _lengths(n_seqs, cp_size, gen):
+    """Global lengths, divisible by 2 * cp_size under context parallelism; 60 % empty, including
+    runs of empty sequences at both ends (entries of cu_seqlens that repeat)."""
+    unit = 2 * cp_size if cp_size > 1 else 1
+    units = torch.randint(1, 3, (n_seqs,), generator=gen) * (torch.rand(n_seqs, generator=gen) < 0.4)
+    units[:2] = 0
+    units[-2:] = 0
+    return (units * unit).tolist()
+
+
+def _spec_positions(lengths, cp_size, cp_rank):
+    """SPEC.md, section 3, token by token: offset j in the local part of its sequence, and under
+    context parallelism the two chunks cp_rank and 2 * cp_size - 1 - cp_rank of c = L / 2 each."""
+    out = []
+    for length in lengths:
+        local = length // cp_size
+        c = local // 2
+        for j in range(local):
+            if cp_size == 1:
+                out.append(j)
+            else:
+                out.append(j + cp_rank * c if j < c else j - c + (2 * cp_size - 1 - cp_rank) * c)
+    return out
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3])
+def test_positions_follow_the_spec(cp_size):
+    gen = torch.Generator().manual_seed(cp_size)
+    lengths = _lengths(50, cp_size, gen)
+    cu = _cu(lengths)
+    n_tokens = sum(lengths) // cp_size
+    for cp_rank in range(cp_size):
+        got = table_mod._build_positions(cu, n_tokens, cp_size, cp_rank)
+        assert got.dtype == torch.int64 and got.device == cu.device
+        assert got.tolist() == _spec_positions(lengths, cp_size, cp_rank)
+
+
+@pytest.fixture
+def position_builds(monkeypatch):
+    """Count the position tables built."""
+    made = []
+    real = table_mod._build_positions
+    monkeypatch.setattr(table_mod, "_build_positions", lambda *a: (made.append(a[1:]), real(*a))[1])
+    table_mod._TABLES.clear()
+    yield made
+    table_mod._TABLES.clear()
+
+
+def test_position_table_is_reused_and_never_stale(position_builds):
+    gen = torch.Generator().manual_seed(7)
+    lengths = _lengths(40, 1, gen)
+    cu = _cu(lengths)
+    n = sum(lengths)
+    first = table_mod.token_positions(cu, n, 1, 0)
+    assert table_mod.token_positions(cu, n, 1, 0) is first  # every layer, q and k, both directions
+    assert len(position_builds) == 1
+    cu.mul_(1)  # an in-place write PyTorch sees (the version counter moves), even with equal values
+    assert table_mod.token_positions(cu, n, 1, 0) is not first
+    assert len(position_builds) == 2
+    twin = cu.detach()  # another tensor object at the same address and version
+    table_mod._TABLES[(id(twin), n, 1, 0)] = table_mod._TABLES.pop((id(cu), n, 1, 0))
+    table_mod.token_positions(twin, n, 1, 0)
+    assert len(position_builds) == 3
+    with torch.inference_mode():  # no version counter: a table could not notice writes
+        assert table_mod.token_positions(cu.clone(), n, 1, 0) is None
+    rope.set_angle_table(False)
+    try:
+        assert table_mod.token_positions(cu, n, 1, 0) is None
+    finally:
+        rope.set_angle_table(True)
+    assert len(position_builds) == 3
+
+
+def _plans_read_positions():
+    return {bool(p.arg("POS_TABLE")) for call in functional._CALLS.values() for p in call.plans.values()}
+
+
+# The kernel's two ways of placing a packed token: the position table (table run, no
+# start_positions) and the search of cu_seqlens (the evaluated run, or start_positions). Many
+# sequences, most of them empty, under context parallelism too; after an in-place change of
+# cu_seqlens the next call must see the new sequences.
+@pytest.mark.parametrize("cp,start", [(None, False), ((2, 1), False), ((3, 0), False), (None, True)], ids=str)
+def test_thd_positions_from_the_table(cp, start, angle_source, monkeypatch, poison_outputs):  # noqa: F811
+    monkeypatch.setattr(functional, "_CALLS", {})
+    cp_size = cp[0] if cp else 1
+    gen = torch.Generator().manual_seed(11 + cp_size + start)
+    n_seqs = _launch._SEARCH_FANOUT + 3
+    lengths = _lengths(n_seqs, cp_size, gen)
+    kw = dict(tensor_format="thd", cu_seqlens=_cu(lengths))
+    if cp:
+        kw.update(cp_size=cp_size, cp_rank=cp[1])
+    if start:
+        kw["start_positions"] = torch.randint(0, 8, (n_seqs,), generator=gen).to(DEVICE)
+    h, d = 2, 8
+    t = make_t("thd", sum(lengths) // cp_size, 1, h, d, torch.bfloat16, gen)
+    freqs = make_freqs(max(lengths) + 8, d, gen)
+    g = torch.randn(t.shape, generator=gen).to(t)
+    for _ in range(2):
+        x = t.detach().clone().requires_grad_()
+        q, k = rope.apply_rotary_pos_emb_qk(x, x.detach().clone(), freqs, **kw)
+        out = rope.apply_rotary_pos_emb(x, freqs, **kw)
+        out.backward(g)
+        x64 = t.detach().double().requires_grad_()
+        ref = reference.apply_rotary_pos_emb(x64, freqs, **kw)
+        ref.backward(g.double())
+        assert_within_rounding(out, ref, t, d, False, "forward")
+        assert_within_rounding(x.grad, x64.grad, g, d, False, "backward")
+        assert_within_rounding(q, ref, t, d, False, "forward (q of q+k)")
+        assert_within_rounding(k, ref, t, d, False, "forward (k of q+k)")
+        assert _plans_read_positions() == {angle_source == "table" and not start}
+        # Move every token to the next sequence's range: same tokens, other positions.
+        lengths = lengths[1:] + lengths[:1]
+        kw["cu_seqlens"].copy_(_cu(lengths))
