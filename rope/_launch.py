@@ -38,7 +38,14 @@ _EVAL_ROWS_16BIT = 16
 # of copy; larger tiles or several per program were 1-15 points slower). A tensor small enough to
 # be in flight at once (under 32 bytes per resident thread: 8.6 MB on an H200) gets 16 bytes per
 # thread instead: twice the threads, each with half the chain (launch-bound sizes, 0.05-0.1 µs).
+# Up to 16 KB per SM (2.1 MB on an H200), where a group spans the batch, tiles take up to 16 rows:
+# half the programs, for sizes whose time is the launch and one program's latency (64x1x16x64
+# fp32: clone + 0.25 -> + 0.15 µs in a graph; 128x1x16x128: + 0.35 -> + 0.30). At 4 MB (sbhd
+# 256x2x32x128) 16 rows lost 0.26 µs, and groups of one token's heads (decode, thd), whose
+# programs wait on a position load, lost 0.05-0.15 µs: they keep 8 rows (note 20).
 _TABLE_ROWS = 8
+_TABLE_ROWS_SMALL = 16
+_TABLE_ROWS_SMALL_BYTES_PER_SM = 16384
 # thd reading the table: a program first searches cu_seqlens for its token's sequence. Where that
 # takes several rounds of dependent loads (more sequences than _SEARCH_FANOUT), a program covers
 # 4 KB of `t` (one token, or part of it) to amortise them: 2 KB measured 5-18 points slower,
@@ -144,22 +151,27 @@ def _out_roles(x: torch.Tensor, tensor_format: str, inplace: bool) -> tuple:
     return (inner * row, row, d, 1) if tensor_format == "sbhd" else (row, outer * row, d, 1)
 
 
-def _table_bytes_per_thread(tensor_bytes: int, device) -> int:
-    small = tensor_bytes <= _sm_count(device) * _THREADS_PER_SM * _TABLE_BYTES_PER_THREAD
-    return _TABLE_BYTES_PER_THREAD_SMALL if small else _TABLE_BYTES_PER_THREAD
+def _table_tile(tensor_bytes: int, device, spans_batch: bool) -> tuple:
+    """(most rows per tile, bytes of each row-half per thread) for the kernel reading the table."""
+    sms = _sm_count(device)
+    if tensor_bytes > sms * _THREADS_PER_SM * _TABLE_BYTES_PER_THREAD:
+        return _TABLE_ROWS, _TABLE_BYTES_PER_THREAD
+    tiny = spans_batch and tensor_bytes <= sms * _TABLE_ROWS_SMALL_BYTES_PER_SM
+    return (_TABLE_ROWS_SMALL if tiny else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD_SMALL
 
 
-def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int, table_bytes_per_thread: int):
-    """(BLOCK_R, BLOCK_HALF, BLOCK_TAIL, num_warps) by the rules above; table_bytes_per_thread is 0
-    for the kernel that evaluates sin/cos."""
-    table = table_bytes_per_thread > 0
+def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int, table_tile):
+    """(BLOCK_R, BLOCK_HALF, BLOCK_TAIL, num_warps) by the rules above; table_tile as `_table_tile`
+    gives it, None for the kernel that evaluates sin/cos."""
+    table = table_tile is not None
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
     vec = 16 // element_size  # elements per 16-byte access
     if table:
         widest = max(block_half, block_tail)  # half-split only (functional.angles_for)
-        block_r = min(triton.next_power_of_2(rows_per_group), _TABLE_ROWS)
-        threads = block_r * widest * element_size // table_bytes_per_thread
+        max_rows, bytes_per_thread = table_tile
+        block_r = min(triton.next_power_of_2(rows_per_group), max_rows)
+        threads = block_r * widest * element_size // bytes_per_thread
     elif interleaved:
         widest = max(2 * block_half, block_tail)
         block_r = min(triton.next_power_of_2(rows_per_group), _ROWS_INTERLEAVED)
@@ -231,8 +243,8 @@ def _decomposition(x, layout, tensor_format, interleaved, per_batch, n_groups, r
     """(tile, rows per program, chunks per group, inner, x's strides in roles) for a launch over
     `rows` rows per group; `run_heads` as in `_inner`."""
     spans_batch = not per_batch and tensor_format != "thd"
-    per_thread = _table_bytes_per_thread(tensor_bytes, x.device) if table else 0
-    tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), widest_rows, per_thread)
+    table_tile = _table_tile(tensor_bytes, x.device, spans_batch) if table else None
+    tile = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(), widest_rows, table_tile)
     rows_per_program = _rows_per_program(n_groups, rows, tile[0], spans_batch, x.element_size(),
                                          layout.rot_dim == layout.d, table, x.device,
                                          _thd_row_bytes(x, layout, tensor_format), pos_table)

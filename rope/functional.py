@@ -157,7 +157,7 @@ class _RoPEQKFunction(torch.autograd.Function):
 
 
 def _use_reference(fused, t) -> bool:
-    return not fused or (isinstance(t, torch.Tensor) and t.device.type == "cpu" and not INTERPRET)
+    return not fused or (isinstance(t, torch.Tensor) and t.is_cpu and not INTERPRET)
 
 
 def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,

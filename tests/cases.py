@@ -59,8 +59,10 @@ def poison_outputs():
 @pytest.fixture
 def gpu_decomposition(monkeypatch):
     """The launcher splits work as on a GPU, also under the interpreter (which otherwise takes a
-    group's rows in one tile: rope._launch._INTERPRETER_TILE_ROWS)."""
+    group's rows in one tile: rope._launch._INTERPRETER_TILE_ROWS), with the table kernel's tiles
+    for large tensors (8 rows) also for the small ones of tests, so that groups span programs."""
     monkeypatch.setattr(rope._launch, "_INTERPRETER_TILE_ROWS", 0)
+    monkeypatch.setattr(rope._launch, "_TABLE_ROWS_SMALL", rope._launch._TABLE_ROWS)
     monkeypatch.setattr(rope.functional, "_CALLS", {})  # no plan made with the interpreter's tiles
 
 

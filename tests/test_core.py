@@ -395,6 +395,32 @@ def test_thd_many_sequences(fanout, cp, start, angle_source, monkeypatch, poison
     assert_within_rounding(grad, ref_grad, g, d, False, "backward")
 
 
+def test_table_tile_rule(monkeypatch):
+    """Tensors small enough to be in flight at once (32 bytes per resident thread) get 16-byte
+    accesses, and up to 16 KB per SM tiles of up to 16 rows where a group spans the batch; larger
+    ones 32-byte accesses and 8-row tiles (note 20)."""
+    from rope import _launch
+
+    gpu = torch.device("cuda", 0)
+    limit = 132 * _launch._THREADS_PER_SM * _launch._TABLE_BYTES_PER_THREAD
+    saved = dict(_launch._SM_COUNT)
+    _launch._SM_COUNT[0] = 132
+    try:
+        tiny = 132 * _launch._TABLE_ROWS_SMALL_BYTES_PER_SM
+        assert _launch._table_tile(tiny, gpu, True) == (16, 16)
+        assert _launch._table_tile(tiny, gpu, False) == (8, 16)  # a token's heads (decode, thd)
+        assert _launch._table_tile(tiny + 1, gpu, True) == (8, 16)
+        assert _launch._table_tile(limit, gpu, True) == (8, 16)
+        assert _launch._table_tile(limit + 1, gpu, True) == (8, 32)
+    finally:
+        _launch._SM_COUNT.clear()
+        _launch._SM_COUNT.update(saved)
+    # The tile that results (as on a GPU): bf16, d = 128 (row-halves of 64), 32 heads per group.
+    monkeypatch.setattr(_launch, "_INTERPRETER_TILE_ROWS", 0)
+    assert _launch._tile(128, 128, False, 2, 32, (16, 16))[::3] == (16, 4)  # 16 x 64 x 2 B / 16 B: 128 threads
+    assert _launch._tile(128, 128, False, 2, 32, (8, 32))[::3] == (8, 1)  # 8 x 64 x 2 B / 32 B: 32 threads
+
+
 def test_index_range_is_checked():
     """The kernel's program and row indices are int32: the launcher refuses what would overflow them
     (tensors that large cannot be allocated in a test, so the check is called directly)."""
