@@ -348,7 +348,7 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 def run(plan: Plan, pointers: tuple):
-    """Launch `plan` on its pointer arguments (tensors; None for an unused index tensor)."""
+    """Launch `plan` on its pointer arguments (tensors, in the kernel's order)."""
     fast = plan.fast
     if fast is not None and not _hooks_set():
         # The lean C launch (rope._fastlaunch): the plan's parameter block with this call's pointers.
