@@ -1,6 +1,8 @@
 """Building blocks for tests: devices, random inputs and the float64 reference run."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -30,6 +32,37 @@ def make_t(tensor_format, s, b, h, d, dtype, gen, layout="contiguous", device=DE
     if layout == "sliced":  # a slice of a wider last dim, e.g. q out of a fused qkv projection
         return rand(shape[:-1] + (d + 24,))[..., 8:8 + d]
     raise ValueError(layout)
+
+
+def cu_seqlens_of(lengths, device=DEVICE):
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=device)
+
+
+def many_sequence_lengths(n_seqs, cp_size, gen):
+    """Global lengths of a packed batch of many sequences, divisible by 2 * cp_size under context
+    parallelism; about 60 % empty, including runs of empty sequences at both ends (entries of
+    cu_seqlens that repeat, which the search for a token's sequence must skip)."""
+    unit = 2 * cp_size if cp_size > 1 else 1
+    units = torch.randint(1, 3, (n_seqs,), generator=gen) * (torch.rand(n_seqs, generator=gen) < 0.4)
+    units[:2] = 0
+    units[-2:] = 0
+    return (units * unit).tolist()
+
+
+def many_sequences_case(n_seqs, cp, start, dtype, gen, h=2, d=8):
+    """(t, freqs, upstream gradient, keyword arguments) of a thd call over `many_sequence_lengths`;
+    cp: None or (cp_size, cp_rank); start: whether to pass start_positions."""
+    cp_size = cp[0] if cp else 1
+    lengths = many_sequence_lengths(n_seqs, cp_size, gen)
+    kw = dict(tensor_format="thd", cu_seqlens=cu_seqlens_of(lengths))
+    if cp:
+        kw.update(cp_size=cp_size, cp_rank=cp[1])
+    if start:
+        kw["start_positions"] = torch.randint(0, 16, (n_seqs,), generator=gen).to(DEVICE)
+    t = make_t("thd", sum(lengths) // cp_size, 1, h, d, dtype, gen)
+    freqs = make_freqs(max(lengths) + 16, d, gen)
+    g = torch.randn(t.shape, generator=gen).to(dtype).to(DEVICE)
+    return t, freqs, g, kw
 
 
 def make_freqs(s2, d2, gen, max_angle=10.0, device=DEVICE):

@@ -20,6 +20,7 @@ from .cases import (  # noqa: F401
     gpu_only,
     make_freqs,
     make_t,
+    many_sequences_case,
     needs_angle_source,
     poison_outputs,
     run_both,
@@ -374,22 +375,8 @@ def test_thd_many_sequences(fanout, cp, start, angle_source, monkeypatch, poison
         monkeypatch.setattr(functional, "_CALLS", {})  # plans made with the launcher's fanout
     n_seqs = 3 * _launch._SEARCH_FANOUT + 5
     gen = torch.Generator().manual_seed(n_seqs + (cp or (1, 0))[0])
-    cp_size = cp[0] if cp else 1
-    unit = 2 * cp_size if cp else 1
-    # 70 % empty, else 1-3 units; two empty sequences at each end
-    units = torch.randint(1, 4, (n_seqs,), generator=gen) * (torch.rand(n_seqs, generator=gen) < 0.3)
-    units[:2] = 0
-    units[-2:] = 0
-    lengths = (units * unit).tolist()
-    kw = dict(tensor_format="thd", cu_seqlens=_cu(lengths))
-    if cp:
-        kw.update(cp_size=cp_size, cp_rank=cp[1])
-    if start:
-        kw["start_positions"] = torch.randint(0, 16, (n_seqs,), generator=gen).to(DEVICE)
-    h, d = 2, 8
-    t = make_t("thd", sum(lengths) // cp_size, 1, h, d, torch.float32, gen)
-    freqs = make_freqs(max(lengths) + 16, d, gen)
-    g = torch.randn(t.shape, generator=gen).to(DEVICE)
+    t, freqs, g, kw = many_sequences_case(n_seqs, cp, start, torch.float32, gen)
+    d = t.shape[-1]
     out, grad, ref, ref_grad = run_both(t, freqs, g, **kw)
     assert_within_rounding(out, ref, t, d, False, "forward")
     assert_within_rounding(grad, ref_grad, g, d, False, "backward")

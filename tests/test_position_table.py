@@ -4,8 +4,6 @@ never stale, never used where it could not follow `cu_seqlens`, and read by the 
 replaces the search of `cu_seqlens` (thd without start_positions, many sequences)."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -13,22 +11,14 @@ import rope
 import rope._table as table_mod
 from rope import _launch, functional, reference
 
-from .cases import DEVICE, angle_source, make_freqs, make_t, poison_outputs  # noqa: F401
+from .cases import (  # noqa: F401
+    angle_source,
+    cu_seqlens_of,
+    many_sequence_lengths,
+    many_sequences_case,
+    poison_outputs,
+)
 from .numerics import assert_within_rounding
-
-
-def _cu(lengths):
-    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=DEVICE)
-
-
-def _lengths(n_seqs, cp_size, gen):
-    """Global lengths, divisible by 2 * cp_size under context parallelism; 60 % empty, including
-    runs of empty sequences at both ends (entries of cu_seqlens that repeat)."""
-    unit = 2 * cp_size if cp_size > 1 else 1
-    units = torch.randint(1, 3, (n_seqs,), generator=gen) * (torch.rand(n_seqs, generator=gen) < 0.4)
-    units[:2] = 0
-    units[-2:] = 0
-    return (units * unit).tolist()
 
 
 def _spec_positions(lengths, cp_size, cp_rank):
@@ -49,8 +39,8 @@ def _spec_positions(lengths, cp_size, cp_rank):
 @pytest.mark.parametrize("cp_size", [1, 2, 3])
 def test_positions_follow_the_spec(cp_size):
     gen = torch.Generator().manual_seed(cp_size)
-    lengths = _lengths(50, cp_size, gen)
-    cu = _cu(lengths)
+    lengths = many_sequence_lengths(50, cp_size, gen)
+    cu = cu_seqlens_of(lengths)
     n_tokens = sum(lengths) // cp_size
     for cp_rank in range(cp_size):
         got = table_mod._build_positions(cu, n_tokens, cp_size, cp_rank)
@@ -71,8 +61,8 @@ def position_builds(monkeypatch):
 
 def test_position_table_is_reused_and_never_stale(position_builds):
     gen = torch.Generator().manual_seed(7)
-    lengths = _lengths(40, 1, gen)
-    cu = _cu(lengths)
+    lengths = many_sequence_lengths(40, 1, gen)
+    cu = cu_seqlens_of(lengths)
     n = sum(lengths)
     first = table_mod.token_positions(cu, n, 1, 0)
     assert table_mod.token_positions(cu, n, 1, 0) is first  # every layer, q and k, both directions
@@ -105,19 +95,10 @@ def _plans_read_positions():
 @pytest.mark.parametrize("cp,start", [(None, False), ((2, 1), False), ((3, 0), False), (None, True)], ids=str)
 def test_thd_positions_from_the_table(cp, start, angle_source, monkeypatch, poison_outputs):  # noqa: F811
     monkeypatch.setattr(functional, "_CALLS", {})
-    cp_size = cp[0] if cp else 1
-    gen = torch.Generator().manual_seed(11 + cp_size + start)
+    gen = torch.Generator().manual_seed(11 + (cp or (1, 0))[0] + start)
     n_seqs = _launch._SEARCH_FANOUT + 3
-    lengths = _lengths(n_seqs, cp_size, gen)
-    kw = dict(tensor_format="thd", cu_seqlens=_cu(lengths))
-    if cp:
-        kw.update(cp_size=cp_size, cp_rank=cp[1])
-    if start:
-        kw["start_positions"] = torch.randint(0, 8, (n_seqs,), generator=gen).to(DEVICE)
-    h, d = 2, 8
-    t = make_t("thd", sum(lengths) // cp_size, 1, h, d, torch.bfloat16, gen)
-    freqs = make_freqs(max(lengths) + 8, d, gen)
-    g = torch.randn(t.shape, generator=gen).to(t)
+    t, freqs, g, kw = many_sequences_case(n_seqs, cp, start, torch.bfloat16, gen)
+    d = t.shape[-1]
     for _ in range(2):
         x = t.detach().clone().requires_grad_()
         q, k = rope.apply_rotary_pos_emb_qk(x, x.detach().clone(), freqs, **kw)
@@ -132,5 +113,6 @@ def test_thd_positions_from_the_table(cp, start, angle_source, monkeypatch, pois
         assert_within_rounding(k, ref, t, d, False, "forward (k of q+k)")
         assert _plans_read_positions() == {angle_source == "table" and not start}
         # Move every token to the next sequence's range: same tokens, other positions.
-        lengths = lengths[1:] + lengths[:1]
-        kw["cu_seqlens"].copy_(_cu(lengths))
+        cu = kw["cu_seqlens"]
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        cu.copy_(cu_seqlens_of(lengths[1:] + lengths[:1]))
