@@ -73,10 +73,13 @@ _PROGRAMS_PER_SM = 8
 _SEARCH_FANOUT = 32
 
 
-def empty(x: torch.Tensor) -> torch.Tensor:
+def empty(x: torch.Tensor, dense: bool = False) -> torch.Tensor:
     """A new contiguous output for `x`. Tests replace it with one that fills NaN, to prove every
-    element is written. (`empty_like` costs about half the host time of `empty(shape, ...)`.)"""
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    element is written. `dense`: x has exactly a contiguous tensor's strides (`Plan.dense`), so
+    `empty_like` may keep x's layout. (`empty_like` costs about half the host time of
+    `empty(shape, ...)`, and without its memory-format argument 0.5-0.7 µs less again: BENCHMARKS.md,
+    note 21.)"""
+    return torch.empty_like(x) if dense else torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @contextlib.contextmanager
@@ -85,7 +88,7 @@ def nan_outputs():
     knows every element was written (tests and the benchmark's accuracy check use it)."""
     global empty
     saved = empty
-    empty = lambda x: torch.full_like(x, float("nan"), memory_format=torch.contiguous_format)  # noqa: E731
+    empty = lambda x, dense=False: torch.full_like(x, float("nan"), memory_format=torch.contiguous_format)  # noqa: E731
     try:
         yield
     finally:
@@ -111,10 +114,11 @@ def _cdiv(a, b):
 class Plan:
     """Grid, scalar arguments and, once compiled, the direct launcher for one call signature."""
 
-    __slots__ = ("kernel", "grid", "scalars", "num_warps", "device", "compiled", "fast")
+    __slots__ = ("kernel", "grid", "scalars", "num_warps", "device", "dense", "compiled", "fast")
 
-    def __init__(self, kernel, grid, scalars, num_warps, device):
+    def __init__(self, kernel, grid, scalars, num_warps, device, dense):
         self.kernel = kernel
+        self.dense = dense  # per input tensor (x; or q, k): strides exactly those of its new output
         self.device = device.index if device.type == "cuda" else None
         self.grid = grid
         self.scalars = scalars  # every argument after the pointers, in the kernel's order
@@ -149,6 +153,11 @@ def _out_roles(x: torch.Tensor, tensor_format: str, inplace: bool) -> tuple:
     outer, inner = (a, b_) if tensor_format == "sbhd" else (b_, a)
     row = h * d
     return (inner * row, row, d, 1) if tensor_format == "sbhd" else (row, outer * row, d, 1)
+
+
+def _dense(x: torch.Tensor, tensor_format: str) -> bool:
+    """Whether x's strides are exactly those of its new contiguous output (then `empty` may keep them)."""
+    return _roles(x, tensor_format) == _out_roles(x, tensor_format, False)
 
 
 def _table_tile(tensor_bytes: int, device, spans_batch: bool) -> tuple:
@@ -294,7 +303,7 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
         *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, x.dtype,
                      inplace, table, chunks, pos_table),
     )
-    return Plan(rope_kernel, (n_groups * chunks, 1, 1), scalars, tile[3], x.device)
+    return Plan(rope_kernel, (n_groups * chunks, 1, 1), scalars, tile[3], x.device, (_dense(x, tensor_format),))
 
 
 def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int, tensor_format: str,
@@ -317,7 +326,8 @@ def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int,
         *_constexprs(layout, tensor_format, interleaved, backward, per_batch, has_start, cp_size, tile, q.dtype,
                      inplace, table, chunks, pos_table),
     )
-    return Plan(rope_qk_kernel, (n_groups * chunks, 1, 1), scalars, tile[3], q.device)
+    return Plan(rope_qk_kernel, (n_groups * chunks, 1, 1), scalars, tile[3], q.device,
+                (_dense(q, tensor_format), _dense(k, tensor_format)))
 
 
 def _hook_present(hook) -> bool:
@@ -335,10 +345,15 @@ def _hook_owner():
 
 
 _HOOK_OWNER = _hook_owner()  # resolved once; the hooks themselves are read on every launch
+# Triton >= 3.5: the chain's class (its instances always have `calls`); None for older Triton.
+_HOOK_CHAIN = type(_HOOK_OWNER.launch_enter_hook) if hasattr(_HOOK_OWNER.launch_enter_hook, "calls") else None
 
 
 def _hooks_set() -> bool:
-    return _hook_present(_HOOK_OWNER.launch_enter_hook) or _hook_present(_HOOK_OWNER.launch_exit_hook)
+    enter, exit_ = _HOOK_OWNER.launch_enter_hook, _HOOK_OWNER.launch_exit_hook
+    if type(enter) is _HOOK_CHAIN and type(exit_) is _HOOK_CHAIN:
+        return bool(enter.calls or exit_.calls)  # the usual case, on the hot path: no further calls
+    return _hook_present(enter) or _hook_present(exit_)
 
 
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None

@@ -96,22 +96,24 @@ def _build(freqs: torch.Tensor, freqs_len: int, rot_dim: int) -> torch.Tensor:
     return table
 
 
-def _cached(src: torch.Tensor, key, build):
-    """build() once per `key` (it starts with id(src)) while `src` provably holds the same values,
-    or None where no table may be used (see above)."""
-    if not _ENABLED[0] or src.is_inference():
+def _cached(src: torch.Tensor, key, build, *args):
+    """build(src, *args) once per `key` (it starts with id(src)) while `src` provably holds the same
+    values, or None where no table may be used (see above)."""
+    if not _ENABLED[0]:
         return None
     capturing = src.is_cuda and capturing_on(src.get_device())
     if capturing and not _PREBUILT_IN_CAPTURE[0]:
         return None
     entry = _TABLES.get(key)
+    # An entry is only ever made for a tensor that is not an inference tensor (below), so one that
+    # is still `src` needs no is_inference() check.
     if entry is not None:
         ref, ptr, version, table = entry
         if ref() is src and ptr == src.data_ptr() and version == src._version:
             return table
-    if capturing:
+    if capturing or src.is_inference():
         return None
-    table = build()
+    table = build(src, *args)
     if len(_TABLES) >= _MAX_TABLES:
         _TABLES.clear()
     # The entry goes when `src` does, so a table never outlives its source in memory.
@@ -122,7 +124,7 @@ def _cached(src: torch.Tensor, key, build):
 
 def cos_sin_table(freqs: torch.Tensor, freqs_len: int, rot_dim: int):
     """The table for `freqs` (built on first use), or None where none may be used (see above)."""
-    return _cached(freqs, id(freqs), lambda: _build(freqs, freqs_len, rot_dim))
+    return _cached(freqs, id(freqs), _build, freqs_len, rot_dim)
 
 
 def _build_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -146,5 +148,5 @@ def _build_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_r
 
 def token_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_rank: int):
     """The position table for `cu_seqlens` (built on first use), or None where none may be used."""
-    return _cached(cu_seqlens, (id(cu_seqlens), n_tokens, cp_size, cp_rank),
-                   lambda: _build_positions(cu_seqlens, n_tokens, cp_size, cp_rank))
+    return _cached(cu_seqlens, (id(cu_seqlens), n_tokens, cp_size, cp_rank), _build_positions, n_tokens, cp_size,
+                   cp_rank)

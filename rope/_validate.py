@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._table import capturing_on
+
 FORMATS = ("sbhd", "bshd", "thd")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -235,11 +237,12 @@ def set_value_checks(enabled: bool) -> None:
     _VALUE_CHECKS[0] = bool(enabled)
 
 
-def skip_value_checks() -> bool:
-    """True when value checks are off, or while reading device values would break a capture or trace."""
+def skip_value_checks(index: torch.Tensor) -> bool:
+    """True when value checks are off, or while reading device values would break a capture or
+    trace (`index`: the call's cu_seqlens or start_positions)."""
     if not _VALUE_CHECKS[0] or torch.compiler.is_compiling():
         return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return index.is_cuda and capturing_on(index.get_device())
 
 
 # Index tensors whose values passed, by identity and version: every layer of a step (and q and k)
@@ -269,11 +272,13 @@ def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, 
     none while the same tensors are passed again unmodified)."""
     if cu_seqlens is None and start_positions is None:
         return
-    if skip_value_checks():
-        return
+    # Tensors that passed come first: asking whether a graph is being captured costs more than the
+    # lookup (BENCHMARKS.md, note 21), and a tensor that passed needs no copy, captured or not.
     key = (id(start_positions), id(cu_seqlens), layout, tensor_format, cp_size, cp_rank)
     seen = _PASSED.get(key)
     if seen is not None and _still(seen[0], start_positions) and _still(seen[1], cu_seqlens):
+        return
+    if skip_value_checks(cu_seqlens if cu_seqlens is not None else start_positions):
         return
     _check_position_values(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     stamps = (_stamp(start_positions), _stamp(cu_seqlens))

@@ -12,7 +12,7 @@ from ._validate import check_disjoint, check_inplace, check_pair, check_position
 class _Call:
     """What a call signature needs after its checks: the layout and the plans per direction/strides."""
 
-    __slots__ = ("layout", "args", "checks_values", "reads_table", "reads_positions", "plans")
+    __slots__ = ("layout", "args", "checks_values", "reads_table", "reads_positions", "plans", "empty")
 
     def __init__(self, layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank):
         self.layout = layout
@@ -26,11 +26,15 @@ class _Call:
         # cu_seqlens takes several rounds: positions from a table (note 19: 93.5 -> 96.3 % of copy).
         self.reads_positions = reads_positions(tensor_format, start_positions is not None, layout.n_seqs)
         self.plans = {}
+        self.empty = layout.s * layout.b * layout.h * layout.d == 0
 
     def plan(self, x, angles, backward, inplace=False, pos_table=False):
-        # The call's key fixes freqs.shape, hence the angle source's shape; angles.stride() has 4
-        # entries for `freqs` and 3 for its table, so it also tells the two sources apart.
-        key = (backward, inplace, pos_table, x.stride(), x.data_ptr() % 16, angles.stride(), angles.data_ptr() % 16)
+        # The call's key fixes x's strides where x is the call's own tensor (forward, and the custom
+        # op's calls), not where it is a gradient. It fixes freqs.shape, hence the angle source's
+        # shape; angles.stride() has 4 entries for `freqs` and 3 for its table, so it also tells the
+        # two sources apart.
+        key = (backward, inplace, pos_table, x.stride() if backward else None, x.data_ptr() % 16, angles.stride(),
+               angles.data_ptr() % 16)
         plan = self.plans.get(key)
         if plan is None:
             fmt, interleaved, has_start, cp_size, cp_rank = self.args
@@ -106,27 +110,33 @@ def _pointers(angles, start_positions, token_index):
 
 
 def _rotate(call, x, angles, start_positions, token_index, backward, inplace=False, pos_table=False):
-    out = x if inplace else _launch.empty(x)
-    if out.numel():
-        run(call.plan(x, angles, backward, inplace, pos_table),
-            (x, out, *_pointers(angles, start_positions, token_index)))
+    if call.empty:
+        return x if inplace else _launch.empty(x)
+    plan = call.plan(x, angles, backward, inplace, pos_table)
+    out = x if inplace else _launch.empty(x, plan.dense[0])
+    run(plan, (x, out, *_pointers(angles, start_positions, token_index)))
     return out
 
 
 def _rotate_qk(call, q, k, angles, start_positions, token_index, backward, inplace=False, pos_table=False):
-    qo = q if inplace else _launch.empty(q)
-    ko = k if inplace else _launch.empty(k)
-    if qo.numel() or ko.numel():
-        plan = call.qk_plan(q, k, k.shape[-2], angles, backward, inplace, pos_table)
-        run(plan, (q, qo, k, ko, *_pointers(angles, start_positions, token_index)))
+    if not (q.numel() or k.numel()):
+        return (q, k) if inplace else (_launch.empty(q), _launch.empty(k))
+    plan = call.qk_plan(q, k, k.shape[-2], angles, backward, inplace, pos_table)
+    qo = q if inplace else _launch.empty(q, plan.dense[0])
+    ko = k if inplace else _launch.empty(k, plan.dense[1])
+    run(plan, (q, qo, k, ko, *_pointers(angles, start_positions, token_index)))
     return qo, ko
 
 
 class _RoPEFunction(torch.autograd.Function):
+    """Autograd for one tensor. Everything but `t` comes as one `state` tuple (call, angles,
+    start_positions, token_index, pos_table, inplace): autograd inspects every argument of `apply`,
+    about 0.3 µs each, and none of these needs a gradient (freqs gets none, as in TE)."""
+
     @staticmethod
-    def forward(ctx, t, angles, start_positions, token_index, pos_table, call, inplace):
-        ctx.call = call
-        ctx.inputs = (angles, start_positions, token_index, pos_table)
+    def forward(ctx, t, state):
+        call, angles, start_positions, token_index, pos_table, inplace = state
+        ctx.state = state
         out = _rotate(call, t, angles, start_positions, token_index, False, inplace, pos_table)
         if inplace:
             ctx.mark_dirty(t)
@@ -134,16 +144,17 @@ class _RoPEFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        angles, start_positions, token_index, pos_table = ctx.inputs
-        grad = _rotate(ctx.call, grad_out, angles, start_positions, token_index, True, False, pos_table)
-        return grad, None, None, None, None, None, None
+        call, angles, start_positions, token_index, pos_table, _ = ctx.state
+        return _rotate(call, grad_out, angles, start_positions, token_index, True, False, pos_table), None
 
 
 class _RoPEQKFunction(torch.autograd.Function):
+    """Autograd for q and k in one launch; `state` as for `_RoPEFunction`."""
+
     @staticmethod
-    def forward(ctx, q, k, angles, start_positions, token_index, pos_table, call, inplace):
-        ctx.call = call
-        ctx.inputs = (angles, start_positions, token_index, pos_table)
+    def forward(ctx, q, k, state):
+        call, angles, start_positions, token_index, pos_table, inplace = state
+        ctx.state = state
         qo, ko = _rotate_qk(call, q, k, angles, start_positions, token_index, False, inplace, pos_table)
         if inplace:
             ctx.mark_dirty(q, k)
@@ -151,9 +162,34 @@ class _RoPEQKFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        angles, start_positions, token_index, pos_table = ctx.inputs
-        gq, gk = _rotate_qk(ctx.call, grad_q, grad_k, angles, start_positions, token_index, True, False, pos_table)
-        return gq, gk, None, None, None, None, None, None
+        call, angles, start_positions, token_index, pos_table, _ = ctx.state
+        gq, gk = _rotate_qk(call, grad_q, grad_k, angles, start_positions, token_index, True, False, pos_table)
+        return gq, gk, None
+
+
+def _direct_apply(function, n_tensors):
+    """`function.apply` without the Python wrapper of `torch.autograd.Function.apply` (BENCHMARKS.md,
+    note 21), which binds default arguments for a `setup_context` these Functions do not define,
+    unwraps dead functorch wrappers, and then calls the C `apply` it inherits. The same steps here:
+    the wrapper itself whenever a functorch transform is active (it then raises, as for any
+    Function without `setup_context`), else the C `apply` on the tensors unwrapped the same way.
+    Where this torch lacks any of those pieces, the wrapper."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+    c_apply = getattr(super(torch.autograd.Function, function), "apply", None)
+    if active is None or unwrap is None or c_apply is None:
+        return function.apply
+    if n_tensors == 1:
+        def apply(t, state):
+            return function.apply(t, state) if active() else c_apply(unwrap(t), state)
+    else:
+        def apply(q, k, state):
+            return function.apply(q, k, state) if active() else c_apply(unwrap(q), unwrap(k), state)
+    return apply
+
+
+_rope_apply = _direct_apply(_RoPEFunction, 1)
+_rope_qk_apply = _direct_apply(_RoPEQKFunction, 2)
 
 
 def _use_reference(fused, t) -> bool:
@@ -192,9 +228,9 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     if call.checks_values:
         check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     angles = angles_for(call, freqs)
-    token_index, pos_table = token_index_for(call, cu_seqlens)
+    token_index, pos_table = token_index_for(call, cu_seqlens) if call.reads_positions else (cu_seqlens, False)
     if t.requires_grad and torch.is_grad_enabled():
-        return _RoPEFunction.apply(t, angles, start_positions, token_index, pos_table, call, inplace)
+        return _rope_apply(t, (call, angles, start_positions, token_index, pos_table, inplace))
     return _rotate(call, t, angles, start_positions, token_index, False, inplace, pos_table)
 
 
@@ -224,5 +260,5 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
     angles = angles_for(call, freqs)
     token_index, pos_table = token_index_for(call, cu_seqlens)
     if (q.requires_grad or k.requires_grad) and torch.is_grad_enabled():
-        return _RoPEQKFunction.apply(q, k, angles, start_positions, token_index, pos_table, call, inplace)
+        return _rope_qk_apply(q, k, (call, angles, start_positions, token_index, pos_table, inplace))
     return _rotate_qk(call, q, k, angles, start_positions, token_index, False, inplace, pos_table)

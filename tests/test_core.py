@@ -419,6 +419,44 @@ def test_index_range_is_checked():
             _launch._check_index_range(programs, rows)
 
 
+@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+def test_output_strides_are_contiguous(tensor_format):
+    """The output keeps x's layout (`empty_like` without a memory format, the cheaper call) only
+    where x's strides are exactly a contiguous tensor's (`Plan.dense`). A size-1 dim with another
+    stride (x still `is_contiguous()`) or a transposed view gets a contiguous output all the same."""
+    from rope import _launch
+
+    gen = torch.Generator().manual_seed(12)
+    shape = (4, 2, 8) if tensor_format == "thd" else (4, 2, 2, 8)
+    cu = _cu([1, 3]) if tensor_format == "thd" else None
+    freqs = make_freqs(4, 8, gen)
+    base = torch.randn(shape, generator=gen).to(DEVICE)
+    swapped = torch.randn((shape[1], shape[0], *shape[2:]), generator=gen).to(DEVICE).transpose(0, 1)
+    one_head = shape[:-2] + (1, 8)
+    odd = torch.randn(one_head, generator=gen).to(DEVICE)
+    odd = odd.as_strided(one_head, odd.stride()[:-2] + (5, 1))  # the size-1 head dim's stride is 5
+    assert odd.is_contiguous()
+    for x, dense in ((base, True), (swapped, False), (odd, False)):
+        assert _launch._dense(x, tensor_format) is dense
+        out = rope.apply_rotary_pos_emb(x, freqs, tensor_format, cu_seqlens=cu)
+        assert out.stride() == torch.empty(x.shape).stride()
+        torch.testing.assert_close(out, reference.apply_rotary_pos_emb(x, freqs, tensor_format, cu_seqlens=cu))
+
+
+def test_functorch_transforms_take_the_autograd_wrapper():
+    """Autograd skips `Function.apply`'s Python wrapper (`functional._direct_apply`) only while no
+    functorch transform is active; under one the wrapper runs, and refuses as it does for any
+    Function without `setup_context`, instead of handing the kernel a wrapped tensor."""
+    from rope import functional
+
+    assert functional._rope_apply is not functional._RoPEFunction.apply  # the direct path on this torch
+    gen = torch.Generator().manual_seed(13)
+    t = make_t("sbhd", 3, 2, 2, 8, torch.float32, gen)
+    freqs = make_freqs(3, 8, gen)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: rope.apply_rotary_pos_emb(x, freqs).sum())(t)
+
+
 def test_launch_hooks_are_detected():
     """The direct launch skips Triton's launch hooks, so it is taken only while none is registered
     (Triton >= 3.5 keeps an always-present, usually empty, chain of them)."""
@@ -444,6 +482,14 @@ def test_launch_hooks_are_detected():
             assert launch._hooks_set()
         finally:
             runtime.launch_enter_hook = chain
+    assert not launch._hooks_set()
+    # A plain callable in place of the exit chain (the older form, or user code assigning one).
+    saved = runtime.launch_exit_hook
+    runtime.launch_exit_hook = hook
+    try:
+        assert launch._hooks_set()
+    finally:
+        runtime.launch_exit_hook = saved
     assert not launch._hooks_set()
 
 
