@@ -55,6 +55,26 @@ settings.load_profile(_PROFILE)
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Without a CUDA device, `pytest` runs on every core (pytest-xdist, work stealing) unless told
+    otherwise (`-n N`, `-n 0`, `-p no:xdist`).
+
+    The CPU suite is bound by Triton's interpreter, one core per process: on CI's 2-core machine
+    one process took 17 minutes of the 15 CI allows (BENCHMARKS.md, note 21). Runs that pytest-xdist
+    would change are left alone: collection only, `--pdb`, and `--benchmark-only` (pytest-benchmark
+    switches itself off under xdist). Runs after xdist's hook of the same name, which turns the
+    worker count into workers; its workers (PYTEST_XDIST_WORKER) must not start workers of their own.
+    """
+    opt = config.option
+    if (HAS_CUDA or getattr(opt, "numprocesses", 0) is not None or os.environ.get("PYTEST_XDIST_WORKER")
+            or opt.collectonly or opt.usepdb or getattr(opt, "benchmark_only", False) or (os.cpu_count() or 1) < 2):
+        return
+    opt.numprocesses = "auto"
+    if opt.dist == "no":
+        opt.dist = "worksteal"
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--rope-impl", default="rope:apply_rotary_pos_emb", metavar="MODULE:FUNCTION",
