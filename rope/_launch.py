@@ -77,8 +77,8 @@ def empty(x: torch.Tensor, dense: bool = False) -> torch.Tensor:
     """A new contiguous output for `x`. Tests replace it with one that fills NaN, to prove every
     element is written. `dense`: x has exactly a contiguous tensor's strides (`Plan.dense`), so
     `empty_like` may keep x's layout. (`empty_like` costs about half the host time of
-    `empty(shape, ...)`, and without its memory-format argument 0.5-0.7 µs less again: BENCHMARKS.md,
-    note 21.)"""
+    `empty(shape, ...)`, and without its memory-format argument 0.7 µs less again on CI's CPU:
+    BENCHMARKS.md, note 21.)"""
     return torch.empty_like(x) if dense else torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
