@@ -457,7 +457,7 @@ def test_functorch_transforms_take_the_autograd_wrapper():
         torch.func.grad(lambda x: rope.apply_rotary_pos_emb(x, freqs).sum())(t)
 
 
-def test_launch_hooks_are_detected():
+def test_launch_hooks_are_detected(monkeypatch):
     """The direct launch skips Triton's launch hooks, so it is taken only while none is registered
     (Triton >= 3.5 keeps an always-present, usually empty, chain of them)."""
     import triton
@@ -476,21 +476,13 @@ def test_launch_hooks_are_detected():
             assert launch._hooks_set()
         finally:
             chain.remove(hook)
-    else:
-        runtime.launch_enter_hook = hook
-        try:
+        assert not launch._hooks_set()
+    # A plain callable in place of either hook (older Triton's form, or code that assigns one).
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        with monkeypatch.context() as patched:
+            patched.setattr(runtime, name, hook)
             assert launch._hooks_set()
-        finally:
-            runtime.launch_enter_hook = chain
-    assert not launch._hooks_set()
-    # A plain callable in place of the exit chain (the older form, or user code assigning one).
-    saved = runtime.launch_exit_hook
-    runtime.launch_exit_hook = hook
-    try:
-        assert launch._hooks_set()
-    finally:
-        runtime.launch_exit_hook = saved
-    assert not launch._hooks_set()
+        assert not launch._hooks_set()
 
 
 @gpu_only
