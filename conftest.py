@@ -12,6 +12,28 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpreter_without_overflow_asserts():
+    """Triton's interpreter asserts after every int32 add, sub and mul that it did not overflow
+    (compiled GPU code does not, unless built for debugging): about a quarter of an interpreted
+    launch's time (BENCHMARKS.md, note 21; one property test 38 -> 25 s). At the CPU suite's sizes (a
+    few thousand elements per tensor) the kernel's int32 indices stay far below 2**31, so the
+    asserts cannot fire; the range that matters is guarded by the launcher
+    (`rope._launch._check_index_range`, tested). Where this Triton keeps its options elsewhere,
+    nothing changes."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", False):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_without_overflow_asserts()
+
 # pytest-xdist workers share the host's cores: each worker's PyTorch would otherwise start one
 # CPU thread per core for the tests' input generation and reference work, so 16 workers on 16 cores
 # would run 256 threads, and the Triton compiles that bound the GPU suite would wait for them.
