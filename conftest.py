@@ -85,8 +85,9 @@ def pytest_cmdline_main(config):
     The CPU suite is bound by Triton's interpreter, one core per process: on CI's 2-core machine
     one process took 17 minutes of the 15 CI allows (BENCHMARKS.md, note 21). Runs that pytest-xdist
     would change are left alone: collection only, `--pdb`, and `--benchmark-only` (pytest-benchmark
-    switches itself off under xdist). Runs after xdist's hook of the same name, which turns the
-    worker count into workers; its workers (PYTEST_XDIST_WORKER) must not start workers of their own.
+    switches itself off under xdist). Runs before xdist's hook of the same name (both are tryfirst,
+    and a conftest registers later, so it is called first), which turns the worker count into
+    workers; its workers (PYTEST_XDIST_WORKER) must not start workers of their own.
     """
     opt = config.option
     if (HAS_CUDA or getattr(opt, "numprocesses", 0) is not None or os.environ.get("PYTEST_XDIST_WORKER")
