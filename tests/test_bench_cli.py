@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -331,6 +332,35 @@ def _row(case, impl, fwd_us, bwd_us, frac, small=False, large=False, host=None, 
     if host:
         r["host"] = dict(zip(("fwd_us", "fwd_grad_us", "bwd_us"), host, strict=True))
     return r
+
+
+def test_host_target_prefers_the_ratio_taken_beside_clone():
+    """Where the run measured the host cost in rounds alternating with clone's, the target uses that
+    ratio, not the quotient of two costs measured apart (host load drifts between them)."""
+    row = _row("tiny", "ours", 1.0, 1.0, 0.1, small=True, host=(9.0, 14.0, 14.0))  # 0.9x, 1.4x apart
+    row["host"].update(fwd_x_clone=1.2, fwd_grad_x_clone=1.3, bwd_x_clone=None)
+    got = {t["target"]: (t["value"], t["ok"]) for t in report.evaluate_targets({"results": [row]})}
+    assert got["small host fwd <= 1.0x clone"] == (1.2, False)
+    assert got["small host fwd_grad <= 1.5x clone"] == (1.3, True)
+    assert got["small host bwd <= 1.5x clone"] == (1.4, True)  # no ratio: the quotient
+
+
+def test_host_ratio_measures_both_callables():
+    """host_ratio times both callables and gives fn's time over ref's (medians over pairs of
+    rounds): a callable that spins twice as long as the reference measures about 2."""
+    from rope.bench.timing import Budget, host_ratio
+
+    def spin(us):
+        def fn():
+            end = time.perf_counter() + us * 1e-6
+            while time.perf_counter() < end:
+                pass
+        return fn
+
+    budget = Budget(warmup=1, host_calls=20, host_rounds=7, host_round_ms=10.0)
+    mine, ref, ratio = host_ratio(spin(400), spin(200), "cpu", budget)
+    assert 1.7 < ratio < 2.3, ratio
+    assert mine.reps == ref.reps == 7 and 350 < mine.us < 600 and 170 < ref.us < 300
 
 
 def test_targets_bookkeeping():

@@ -17,7 +17,7 @@ from .inputs import leaf, make_inputs, parts, sets_for
 from .machine import machine_info
 from .progress import Progress
 from .shapes import Case
-from .timing import Budget, Timing, copy_bandwidth, gpu_time, host_time, l2_bytes
+from .timing import Budget, Timing, copy_bandwidth, gpu_time, host_ratio, host_time, l2_bytes
 
 
 def case_dict(case: Case) -> dict:
@@ -61,23 +61,34 @@ def _backward_calls(impl, inputs):
     return build
 
 
-def host_costs(impl, inputs, device, budget: Budget) -> dict:
-    """Host µs per eager call: forward under no_grad, forward recording autograd, backward."""
+def host_costs(impl, inputs, device, budget: Budget, clone) -> dict:
+    """Host µs per eager call (forward under no_grad, forward recording autograd, backward), each
+    also as a ratio to `clone` (the same tensor's clone under no_grad) in alternating rounds."""
     t, g = inputs.ts[0], inputs.gs[0]
     b0 = impl.bind(inputs, t)
-    fwd = host_time(lambda: b0.fn(*b0.xs), device, budget, no_grad=True)
+    fwd, _, fwd_x = host_ratio(lambda: b0.fn(*b0.xs), clone, device, budget, no_grad=True)
+    out = {"fwd_us": fwd.us, "fwd_grad_us": None, "bwd_us": None, "calls": fwd.calls, "fwd_x_clone": fwd_x,
+           "fwd_grad_x_clone": None, "bwd_x_clone": None}
     if not impl.backward:
-        return {"fwd_us": fwd.us, "fwd_grad_us": None, "bwd_us": None, "calls": fwd.calls}
+        return out
     b1 = impl.bind(inputs, leaf(t), g)
-    fwd_grad = host_time(lambda: b1.fn(*b1.xs), device, budget)
+    fwd_grad, _, fwd_grad_x = host_ratio(lambda: b1.fn(*b1.xs), clone, device, budget)
     outs = b1.fn(*b1.xs)
-    bwd = host_time(lambda: torch.autograd.grad(outs, b1.xs, b1.gs, retain_graph=True), device, budget)
-    return {"fwd_us": fwd.us, "fwd_grad_us": fwd_grad.us, "bwd_us": bwd.us, "calls": fwd.calls}
+    bwd, _, bwd_x = host_ratio(lambda: torch.autograd.grad(outs, b1.xs, b1.gs, retain_graph=True), clone, device,
+                               budget)
+    out.update(fwd_grad_us=fwd_grad.us, bwd_us=bwd.us, fwd_grad_x_clone=fwd_grad_x, bwd_x_clone=bwd_x)
+    return out
 
 
 def _one_line(exc) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+
+
+def clone_call(inputs):
+    """torch.clone of the case's first input set (q and k: both): the host cost's yardstick."""
+    t = inputs.ts[0]
+    return (lambda t=t: [x.clone() for x in parts(t)]) if inputs.case.hk else (lambda t=t: t.clone())
 
 
 def run_impl(impl, inputs, ref, device, budget: Budget, copy_gbps: float, log) -> dict:
@@ -103,7 +114,7 @@ def run_impl(impl, inputs, ref, device, budget: Budget, copy_gbps: float, log) -
                 bwd = gpu_time(_backward_calls(impl, inputs), device, budget, graph=safe)
                 row["bwd"] = timing_dict(bwd, case.bytes_bwd, copy_gbps)
         if case.small:
-            row["host"] = host_costs(impl, inputs, device, budget)
+            row["host"] = host_costs(impl, inputs, device, budget, clone_call(inputs))
     except Exception as exc:  # one broken implementation must not end the run
         row.update(status="error", reason=_one_line(exc))
         log(f"{case.name} / {impl.name}: " + "".join(traceback.format_exception(exc)).rstrip())
@@ -143,8 +154,7 @@ def run(cases, impls, device, budget: Budget | None = None, seed: int = 0, show_
         base["clone"] = timing_dict(clone, 2 * case.numel * case.elem_bytes, copy_gbps)
         if case.small:
             t = inputs.ts[0]
-            one = (lambda t=t: [x.clone() for x in t]) if case.hk else (lambda t=t: t.clone())
-            base["clone"]["host_us"] = host_time(one, device, budget, no_grad=True).us
+            base["clone"]["host_us"] = host_time(clone_call(inputs), device, budget, no_grad=True).us
             if not case.hk:
                 # The floor under any backward's host cost: torch.autograd.grad through a clone,
                 # whose backward is the identity (engine entry, device thread hand-off, return).

@@ -40,7 +40,7 @@ class Budget:
     min_reps: int = 10
     max_reps: int = 200
     host_calls: int = 100  # eager calls per host round; far below the CUDA launch queue depth
-    host_rounds: int = 7
+    host_rounds: int = 15  # rounds per host measurement (host_ratio: of each of its two callables)
     host_round_ms: float = 20.0  # cap on one host round, for slow (Python-bound) implementations
     copy_bytes: int = 1 << 30
 
@@ -220,9 +220,19 @@ def _host_clock_time(fns, budget):
     return _summary(per_call, "host", calls)
 
 
-def host_time(fn, device, budget: Budget = Budget(), no_grad=False) -> Timing:
-    """Host cost of one eager call: back-to-back calls between two clock reads, no sync inside."""
-    device = torch.device(device)
+def _host_round(fn, calls, no_grad, device) -> float:
+    """µs per call of `calls` back-to-back calls, no sync inside; the queue is drained after."""
+    with _grad_mode(no_grad):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        us = (time.perf_counter() - t0) * 1e6 / calls
+    _sync(device)  # outside the timed part: drains the queue between rounds
+    return us
+
+
+def _host_calls(fn, device, budget, no_grad) -> int:
+    """Warm `fn` up and choose the calls per round (within the round's time cap)."""
     with _grad_mode(no_grad):
         for _ in range(budget.warmup):
             fn()
@@ -230,22 +240,50 @@ def host_time(fn, device, budget: Budget = Budget(), no_grad=False) -> Timing:
         t0 = time.perf_counter()
         fn()
         one = max((time.perf_counter() - t0) * 1e6, 1e-3)
-        _sync(device)
-        calls = int(_clamp(budget.host_round_ms * 1000.0 / one, 1, budget.host_calls))
-        per_call = []
-        was_enabled = gc.isenabled()
-        gc.disable()  # a collection inside a round would be charged to the calls
-        try:
-            for _ in range(budget.host_rounds):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                per_call.append((time.perf_counter() - t0) * 1e6 / calls)
-                _sync(device)  # outside the timed part: drains the queue between rounds
-        finally:
-            if was_enabled:
-                gc.enable()
+    _sync(device)
+    return int(_clamp(budget.host_round_ms * 1000.0 / one, 1, budget.host_calls))
+
+
+@contextlib.contextmanager
+def _no_gc():
+    was_enabled = gc.isenabled()
+    gc.disable()  # a collection inside a round would be charged to the calls
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def host_time(fn, device, budget: Budget = Budget(), no_grad=False) -> Timing:
+    """Host cost of one eager call: back-to-back calls between two clock reads, no sync inside."""
+    device = torch.device(device)
+    calls = _host_calls(fn, device, budget, no_grad)
+    with _no_gc():
+        per_call = [_host_round(fn, calls, no_grad, device) for _ in range(budget.host_rounds)]
     return _summary(per_call, "host", calls)
+
+
+def host_ratio(fn, ref, device, budget: Budget = Budget(), no_grad=False):
+    """(Timing of `fn`, Timing of `ref`, ratio): host costs as `host_time` measures them, in rounds
+    that alternate between `fn` and `ref` (`ref` under no_grad: clone of the same tensor), and the
+    median over pairs of rounds of fn's µs per call over ref's in the same pair. Host load drifts
+    between measurements made apart (on the H200's shared host, clone's own cost was 7.3 µs for one
+    case and 12.0 for the next in one run: BENCHMARKS.md); the two rounds of a pair share it."""
+    device = torch.device(device)
+    n_fn = _host_calls(fn, device, budget, no_grad)
+    n_ref = _host_calls(ref, device, budget, True)
+    mine, theirs = [], []
+    with _no_gc():
+        for i in range(budget.host_rounds):
+            if i % 2:
+                theirs.append(_host_round(ref, n_ref, True, device))
+                mine.append(_host_round(fn, n_fn, no_grad, device))
+            else:
+                mine.append(_host_round(fn, n_fn, no_grad, device))
+                theirs.append(_host_round(ref, n_ref, True, device))
+    ratio = statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
+    return _summary(mine, "host", n_fn), _summary(theirs, "host", n_ref), ratio
 
 
 def cuda_sync_clock() -> float:
