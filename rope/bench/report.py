@@ -110,9 +110,11 @@ def evaluate_targets(results: dict) -> list:
                     # load drifts between separate measurements), else the two separate costs'.
                     v = r["host"].get(key.replace("_us", "_x_clone")) or r["host"][key] / clone["host_us"]
                     floor = clone.get("bwd_host_us") if key == "bwd_us" else None
+                    floor_x = clone.get("bwd_host_x_clone") if floor else None
                     add(f"small host {key.replace('_us', '')} <= {limit}x clone", name, v, limit, v <= limit,
                         f"{r['host'][key]:.1f} µs; clone {clone['host_us']:.1f} µs measured apart"
-                        + (f"; autograd.grad through a clone alone: {floor:.1f} µs" if floor else ""))
+                        + (f"; autograd.grad through a clone alone: {floor:.1f} µs" if floor else "")
+                        + (f", {floor_x:.2f}x clone" if floor_x else ""))
     for thd, bshd in THD_PAIRS:
         a, b = ours.get(thd), ours.get(bshd)
         if _ok(a) and _ok(b):

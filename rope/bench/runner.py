@@ -160,8 +160,9 @@ def run(cases, impls, device, budget: Budget | None = None, seed: int = 0, show_
                 # whose backward is the identity (engine entry, device thread hand-off, return).
                 x, g = leaf(t), inputs.gs[0]
                 y = x.clone()
-                base["clone"]["bwd_host_us"] = host_time(
-                    lambda x=x, y=y, g=g: torch.autograd.grad(y, x, g, retain_graph=True), device, budget).us
+                floor, _, floor_x = host_ratio(lambda x=x, y=y, g=g: torch.autograd.grad(y, x, g, retain_graph=True),
+                                               clone_call(inputs), device, budget)
+                base["clone"]["bwd_host_us"], base["clone"]["bwd_host_x_clone"] = floor.us, floor_x
         progress.done()
         for impl in case_impls:
             progress.step(f"{case.name}: {impl.name}")
