@@ -230,7 +230,7 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     if call.checks_values:
         check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     angles = angles_for(call, freqs)
-    token_index, pos_table = token_index_for(call, cu_seqlens) if call.reads_positions else (cu_seqlens, False)
+    token_index, pos_table = token_index_for(call, cu_seqlens)
     if t.requires_grad and torch.is_grad_enabled():
         return _rope_apply(t, (call, angles, start_positions, token_index, pos_table, inplace))
     return _rotate(call, t, angles, start_positions, token_index, False, inplace, pos_table)

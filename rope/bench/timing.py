@@ -274,14 +274,11 @@ def host_ratio(fn, ref, device, budget: Budget = Budget(), no_grad=False):
     n_fn = _host_calls(fn, device, budget, no_grad)
     n_ref = _host_calls(ref, device, budget, True)
     mine, theirs = [], []
+    runs = [(fn, n_fn, no_grad, mine), (ref, n_ref, True, theirs)]
     with _no_gc():
         for i in range(budget.host_rounds):
-            if i % 2:
-                theirs.append(_host_round(ref, n_ref, True, device))
-                mine.append(_host_round(fn, n_fn, no_grad, device))
-            else:
-                mine.append(_host_round(fn, n_fn, no_grad, device))
-                theirs.append(_host_round(ref, n_ref, True, device))
+            for f, calls, ng, out in (runs[::-1] if i % 2 else runs):  # which goes first alternates
+                out.append(_host_round(f, calls, ng, device))
     ratio = statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
     return _summary(mine, "host", n_fn), _summary(theirs, "host", n_ref), ratio
 
