@@ -21,6 +21,10 @@ performs). A write PyTorch does not see (through `.data`, DLPack, or a foreign k
 a stale table: `set_angle_table(False)` turns tables off for code that writes `freqs` or
 `cu_seqlens` that way.
 
+Tables are read on whatever stream a call runs on. A call on another stream than the one that built
+the table waits, on the device, for an event recorded after the build, and the table's memory is
+tied to that stream (`record_stream`), so it is never reused while that stream may still read it.
+
 No table, and the kernel evaluates sin/cos (searches `cu_seqlens`) itself, when:
 - a CUDA graph is being captured: replays read whatever the source then holds, which a table
   computed before the capture would not follow;
@@ -35,7 +39,6 @@ import weakref
 import torch
 
 _ENABLED = [True]
-_PREBUILT_IN_CAPTURE = [False]
 _TABLES: dict = {}
 _MAX_TABLES = 32  # distinct live `freqs` tensors kept; more than a model has at once
 
@@ -66,26 +69,18 @@ def evaluated():
         _ENABLED[0] = saved
 
 
-@contextlib.contextmanager
-def prebuilt_in_capture():
-    """Benchmarks only: within it, a capture may read a table built before it (none is built while
-    capturing). Sound only if `freqs` is not written between replays, which the benchmark ensures;
-    it lets graph replay time the kernel that eager calls run."""
-    saved = _PREBUILT_IN_CAPTURE[0]
-    _PREBUILT_IN_CAPTURE[0] = True
-    try:
-        yield
-    finally:
-        _PREBUILT_IN_CAPTURE[0] = saved
+_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 
 
 def capturing_on(device_index) -> bool:
-    """Whether the current stream of that GPU is capturing a CUDA graph. CUDA refuses to capture on
-    the legacy default stream, where eager code runs: there the answer is known without asking
-    CUDA (which costs about 10 µs per call on that stream)."""
-    if torch._C._cuda_getCurrentRawStream(device_index) == 0:
-        return False
-    return torch.cuda.is_current_stream_capturing()
+    """Whether the current stream of that GPU is capturing a CUDA graph."""
+    return _capturing(_raw_stream(device_index))
+
+
+def _capturing(raw_stream) -> bool:
+    # CUDA refuses to capture on the legacy default stream, where eager code runs: there the answer
+    # is known without asking CUDA (which costs about 10 µs per call on that stream).
+    return raw_stream != 0 and torch.cuda.is_current_stream_capturing()
 
 
 def _build(freqs: torch.Tensor, freqs_len: int, rot_dim: int) -> torch.Tensor:
@@ -96,29 +91,59 @@ def _build(freqs: torch.Tensor, freqs_len: int, rot_dim: int) -> torch.Tensor:
     return table
 
 
+class _Entry:
+    """A built table and what proves it still describes its source; on a GPU also the stream that
+    built it, an event recorded there after the build, and the other streams that have read it."""
+
+    __slots__ = ("ref", "ptr", "version", "table", "stream", "ready", "readers")
+
+    def __init__(self, ref, src, table, stream):
+        self.ref, self.ptr, self.version, self.table, self.stream = ref, src.data_ptr(), src._version, table, stream
+        self.ready = None
+        self.readers = set()
+        if stream is not None:
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(src.device))
+
+    def order_after_build(self, raw_stream, device):
+        """Make the current stream (`raw_stream`, not the builder's) read the table only after it is
+        written, and keep its memory from being reused while that stream may still read it: the
+        caching allocator hands a freed block back to the stream that allocated it at once, and
+        learns of other readers only through `record_stream`."""
+        current = torch.cuda.current_stream(device)
+        current.wait_event(self.ready)
+        if raw_stream not in self.readers:
+            self.table.record_stream(current)
+            self.readers.add(raw_stream)
+
+
 def _cached(src: torch.Tensor, key, build, *args):
     """build(src, *args) once per `key` (it starts with id(src)) while `src` provably holds the same
-    values, or None where no table may be used (see above)."""
+    values, or None where no table may be used (see above). On a GPU the table is safe to read on
+    any stream: a stream other than the builder's waits for the build (no host synchronization;
+    the builder's own stream pays one comparison)."""
     if not _ENABLED[0]:
         return None
-    capturing = src.is_cuda and capturing_on(src.get_device())
-    if capturing and not _PREBUILT_IN_CAPTURE[0]:
-        return None
+    stream = None
+    if src.is_cuda:
+        stream = _raw_stream(src.get_device())
+        if _capturing(stream):
+            return None
     entry = _TABLES.get(key)
     # An entry is only ever made for a tensor that is not an inference tensor (below), so one that
     # is still `src` needs no is_inference() check.
-    if entry is not None:
-        ref, ptr, version, table = entry
-        if ref() is src and ptr == src.data_ptr() and version == src._version:
-            return table
-    if capturing or src.is_inference():
+    if entry is not None and entry.ref() is src and entry.ptr == src.data_ptr() and entry.version == src._version:
+        if stream != entry.stream:
+            entry.order_after_build(stream, src.device)
+        return entry.table
+    if src.is_inference():
         return None
     table = build(src, *args)
     if len(_TABLES) >= _MAX_TABLES:
         _TABLES.clear()
     # The entry goes when `src` does, so a table never outlives its source in memory.
     ref = weakref.ref(src, lambda _, key=key: _TABLES.pop(key, None))
-    _TABLES[key] = (ref, src.data_ptr(), src._version, table)
+    _TABLES[key] = _Entry(ref, src, table, stream)
     return table
 
 

@@ -101,8 +101,6 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
                               f"but freqs has s2 = {s2} rows")
 
     if start_positions is not None:
-        if cp_size > 1:
-            _fail(ValueError, "start_positions: not supported together with cp_size > 1")
         _check_index_tensor("start_positions", start_positions, t)
         if start_positions.shape[0] != n_pos:
             what = "the number of sequences" if tensor_format == "thd" else "the batch size"
@@ -305,11 +303,12 @@ def _check_position_values(layout: Layout, tensor_format, start_positions, cu_se
             sp = start_positions.to(torch.int64)
             nonempty = local > 0
             flags.append((nonempty & (sp < 0)).any())
-            last = torch.where(nonempty, sp + local - 1, torch.full_like(sp, -1))  # empty: no position
         else:
-            half = local // 2
-            last = (2 * cp_size - cp_rank) * half - 1 if cp_size > 1 else local - 1
+            sp = 0
             flags.append(torch.zeros((), dtype=torch.bool, device=cu.device))
+        # the context-parallel position of a sequence's last local token, then its start (section 3)
+        last = ((2 * cp_size - cp_rank) * (local // 2) - 1 if cp_size > 1 else local - 1) + sp
+        last = torch.where(local > 0, last, -1)  # an empty sequence has no position
         # no token at all (no sequence, or only empty ones): no position, so any s2 >= 0 is enough
         top = last.max() if last.numel() else torch.full((), -1, dtype=torch.int64, device=cu.device)
         values = torch.stack([f.to(torch.int64) for f in flags] + [top.to(torch.int64)]).tolist()
@@ -332,6 +331,7 @@ def _check_position_values(layout: Layout, tensor_format, start_positions, cu_se
         lo, hi = torch.stack(torch.aminmax(start_positions)).tolist()
         if lo < 0:
             _fail(ValueError, f"start_positions: must be >= 0, got {lo}")
-        if hi + s - 1 >= s2:
+        top = hi + _max_position(s, cp_size, cp_rank)
+        if top >= s2:
             _fail(ValueError, f"freqs: too short: start_positions reach {hi}, so positions reach "
-                              f"{hi + s - 1}, but freqs has s2 = {s2} rows")
+                              f"{top}, but freqs has s2 = {s2} rows")

@@ -88,6 +88,11 @@ class Case:
     b: int = 1
     seqlens: tuple = ()
     cuda_only: bool = False
+    max_start: int = -1  # >= 0: start_positions in [0, max_start], the same on every rank
+
+    @property
+    def n_seqs(self):
+        return len(self.seqlens) if self.fmt == "thd" else self.b
 
     def global_shape(self, cp):
         if self.fmt == "thd":
@@ -119,6 +124,15 @@ CASES = {
         Case("sbhd_bf16_large", "sbhd", torch.bfloat16, h=8, d=128, rot_dim=128, c=512, b=2, cuda_only=True),
         Case("thd_bf16_interleaved_large", "thd", torch.bfloat16, h=8, d=128, rot_dim=64, interleaved=True,
              seqlens=(2048, 0, 516, 1000), cuda_only=True),
+        # start_positions with context parallelism: p = cp_position(j) + start_positions[seq]
+        Case("sbhd_fp32_start", "sbhd", torch.float32, h=2, d=16, rot_dim=12, c=3, b=3, max_start=9),
+        Case("bshd_fp16_interleaved_start", "bshd", torch.float16, h=1, d=16, rot_dim=16, interleaved=True, c=2,
+             b=2, max_start=5),
+        Case("thd_fp32_start", "thd", torch.float32, h=2, d=8, rot_dim=8, seqlens=(8, 0, 12, 4), max_start=6),
+        Case("bshd_bf16_start_large", "bshd", torch.bfloat16, h=8, d=128, rot_dim=128, c=256, b=2, max_start=100,
+             cuda_only=True),
+        Case("thd_bf16_start_large", "thd", torch.bfloat16, h=8, d=128, rot_dim=64, seqlens=(1024, 0, 260, 2000),
+             max_start=50, cuda_only=True),
     ],
     3: [
         Case("sbhd_bf16_interleaved", "sbhd", torch.bfloat16, h=2, d=16, rot_dim=16, interleaved=True, c=2, b=2),
@@ -127,6 +141,11 @@ CASES = {
         Case("thd_fp16_interleaved_partial", "thd", torch.float16, h=1, d=12, rot_dim=8, interleaved=True,
              seqlens=(0, 12, 6, 0)),
         Case("bshd_fp16_large", "bshd", torch.float16, h=4, d=64, rot_dim=32, c=300, b=3, cuda_only=True),
+        Case("sbhd_bf16_interleaved_start", "sbhd", torch.bfloat16, h=2, d=16, rot_dim=8, interleaved=True, c=2,
+             b=2, max_start=7),
+        Case("thd_fp16_start", "thd", torch.float16, h=1, d=12, rot_dim=12, seqlens=(0, 12, 6, 18), max_start=3),
+        Case("sbhd_fp32_start_large", "sbhd", torch.float32, h=4, d=64, rot_dim=64, c=200, b=3, max_start=64,
+             cuda_only=True),
     ],
 }
 
@@ -136,16 +155,22 @@ def cases_for(cp: int, on_cuda: bool) -> list[Case]:
 
 
 def global_inputs(case: Case, cp: int, seed: int):
-    """(x, g, freqs) of the unsharded problem, on the CPU, the same in every process for a seed.
+    """(x, g, freqs, start_positions) of the unsharded problem, on the CPU, the same in every process
+    for a seed.
 
     freqs are random angles whose halves differ (the contract is elementwise), a few rows longer
-    than the longest sequence needs."""
+    than the longest sequence needs (after its start position); start_positions is None unless
+    the case has them."""
     gen = torch.Generator().manual_seed(seed)
     shape = case.global_shape(cp)
     x = torch.randn(shape, generator=gen).to(case.dtype)
     g = torch.randn(shape, generator=gen).to(case.dtype)
-    freqs = (torch.rand((case.max_len(cp) + 3, 1, 1, case.rot_dim), generator=gen, dtype=torch.float64) * 10).float()
-    return x, g, freqs
+    rows = case.max_len(cp) + max(case.max_start, 0) + 3
+    freqs = (torch.rand((rows, 1, 1, case.rot_dim), generator=gen, dtype=torch.float64) * 10).float()
+    start = None
+    if case.max_start >= 0:
+        start = torch.randint(0, case.max_start + 1, (case.n_seqs,), generator=gen)
+    return x, g, freqs, start
 
 
 # ---- the worker: one rank of the process group ----------------------------------------------------
@@ -167,9 +192,11 @@ def _check_case(case, cp, rank, impl, device, comm_device, dist):
     from tests.numerics import assert_within_rounding
 
     seed = 1000 * cp + sum(map(ord, case.name))
-    x, g, freqs = global_inputs(case, cp, seed)
+    x, g, freqs, start = global_inputs(case, cp, seed)
     cu = case.cu_seqlens() if case.fmt == "thd" else None
     kw = {"tensor_format": case.fmt}
+    if start is not None:
+        kw["start_positions"] = start.to(device)
     if case.interleaved:
         kw["interleaved"] = True
     if cu is not None:
@@ -199,7 +226,8 @@ def _check_case(case, cp, rank, impl, device, comm_device, dist):
     out_full = impl(x_full, freqs_dev, **kw)
     out_full.backward(g.to(device))
     x64 = x.double().requires_grad_()  # x itself never requires grad: x64 is a leaf
-    kw_cpu = kw if cu is None else dict(kw, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+    kw_cpu = dict(kw, **({} if cu is None else {"cu_seqlens": torch.tensor(cu, dtype=torch.int32)}),
+                  **({} if start is None else {"start_positions": start}))
     ref = reference.apply_rotary_pos_emb(x64, freqs, **kw_cpu)
     ref.backward(g.double())
     for what, got, full, ref64, inp in (("forward", gathered["output"], out_full, ref, x),

@@ -239,8 +239,8 @@ def rope_specs(draw, formats=FORMATS, dtypes_=None, cp: Optional[bool] = None, s
     else:
         rot_dim = draw(rot_dims(d, partial))
     interleaved = draw(st.booleans())
-    cp_size, cp_rank = draw(cp_configs(lim, False if start else cp))  # start_positions exclude cp
-    use_start = cp_size == 1 and (draw(st.booleans()) if start is None else start)
+    cp_size, cp_rank = draw(cp_configs(lim, cp))
+    use_start = draw(st.booleans()) if start is None else start
     rows_cap = max(1, min(lim.max_rows, lim.max_elements // d))
     if fmt == "thd":
         seqlens = draw(packed_seqlens(lim._replace(max_tokens=min(lim.max_tokens, rows_cap)), cp_size, min_seqs))

@@ -70,7 +70,8 @@ def _decreasing_cu(case, call):
 def _indivisible_cu(case, call):
     total = int(case.cu_seqlens[-1])
     cu = torch.tensor([0, 1, total], dtype=case.cu_seqlens.dtype, device=case.cu_seqlens.device)
-    return call._replace(kwargs=_kw(call, cu_seqlens=cu))
+    start = None if case.start_positions is None else case.start_positions.new_zeros(2)  # one per sequence
+    return call._replace(kwargs=_kw(call, cu_seqlens=cu, start_positions=start))
 
 
 def _negative_start(case, call):
@@ -162,9 +163,6 @@ RULES = [
          lambda c, k: k._replace(kwargs=_kw(k, cp_size=0, cp_rank=0))),
     Rule("odd local sequence length with cp_size > 1", ("t", "cp_size"), specs(formats=("sbhd", "bshd"), cp=True),
          _odd_local_length),
-    Rule("start_positions with cp_size > 1", ("start_positions",), specs(cp=True),
-         lambda c, k: k._replace(kwargs=_kw(k, start_positions=torch.zeros(c.spec.n_seqs, dtype=torch.int64,
-                                                                            device=DEVICE)))),
     Rule("start_positions of the wrong length", ("start_positions",), specs(start=True),
          lambda c, k: k._replace(kwargs=_kw(k, start_positions=_one_more(c.start_positions)))),
     Rule("start_positions of a float dtype", ("start_positions",), specs(start=True),

@@ -3,7 +3,8 @@
 Each test spawns cp_size processes that form one process group: NCCL with one GPU per rank where
 the machine has cp_size GPUs, gloo otherwise (CPU tensors and Triton's interpreter in CI). Every
 rank builds the same global inputs from a fixed seed, takes its dual-chunk shard of every sequence
-(tests/cp_shard.py), runs `apply_rotary_pos_emb(..., cp_size, cp_rank)` forward and backward with
+(tests/cp_shard.py), runs `apply_rotary_pos_emb(..., cp_size, cp_rank)` (with the same global
+`start_positions` on every rank in some cases) forward and backward with
 the matching shard of the upstream gradient, and all_gathers inputs, outputs and input gradients.
 Rank 0 puts them back in global order and compares with the unsharded call: bitwise (the same
 kernel computes the same float32 expression from the same angle for every token) and within one

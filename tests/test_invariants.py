@@ -220,7 +220,8 @@ def check_formats_agree(impl, spec):
 
 def check_cp_shards_reassemble(impl, spec):
     """Context parallelism: every rank's result on its two chunks equals the unsharded result there,
-    and the ranks together cover every token once."""
+    and the ranks together cover every token once; with start_positions too, which shift every
+    position of a sequence after the context-parallel mapping."""
     cp, fmt = spec.cp_size, spec.tensor_format
     gen = torch.Generator().manual_seed(spec.seed)
     if fmt == "thd":
@@ -232,12 +233,15 @@ def check_cp_shards_reassemble(impl, spec):
         seq_dim = 0 if fmt == "sbhd" else 1
     x, _, _ = layout_tensor(shape, spec.dtype, spec.layout, spec.values, gen)
     g, _, _ = layout_tensor(shape, spec.dtype, spec.grad_layout, spec.values, gen)
-    freqs = make_angles(spec, max(lengths, default=0) + spec.extra_freqs, gen)
+    max_start = spec.max_start or 0
+    freqs = make_angles(spec, max(lengths, default=0) + max_start + spec.extra_freqs, gen)
     kw = dict(tensor_format=fmt)
     if spec.interleaved:
         kw["interleaved"] = True
     if fmt == "thd":
         kw["cu_seqlens"] = cu_seqlens_of(lengths)
+    if spec.max_start is not None:
+        kw["start_positions"] = torch.randint(0, max_start + 1, (spec.n_seqs,), generator=gen).to(x.device)
     full, full_grad = run_plain(impl, x, freqs, g, **kw)
     seen = []
     for rank in range(cp):
@@ -360,7 +364,9 @@ CHECKS = {
         make_spec("sbhd", torch.bfloat16, s=2, b=1, h=17, d=80, rot_dim=64, seed=4)]),
     "formats_agree": (check_formats_agree, rope_specs(formats=("sbhd",)), []),
     "cp_shards_reassemble": (check_cp_shards_reassemble, rope_specs(cp=True), [
-        make_spec("thd", torch.bfloat16, h=2, d=12, seqlens=(0, 4, 8, 0), cp_size=2, cp_rank=1, seed=7)]),
+        make_spec("thd", torch.bfloat16, h=2, d=12, seqlens=(0, 4, 8, 0), cp_size=2, cp_rank=1, seed=7),
+        make_spec("sbhd", torch.float32, s=4, b=3, h=2, d=16, cp_size=3, cp_rank=1, max_start=6, seed=17),
+        make_spec("thd", torch.float16, h=2, d=8, seqlens=(4, 0, 12), cp_size=2, cp_rank=0, max_start=5, seed=18)]),
     "input_not_modified": (check_input_not_modified, rope_specs(), [
         make_spec("thd", torch.float32, h=2, d=16, seqlens=(2, 3), layout="sliced", seed=12)]),
     "deterministic": (check_deterministic, rope_specs(), []),

@@ -40,6 +40,11 @@ PINS = [
               interleaved=True, seed=12),
     make_spec("sbhd", torch.bfloat16, s=4, b=2, h=2, d=10, rot_dim=4, cp_size=2, cp_rank=0, extra_freqs=3,
               layout="transposed", grad_layout="strided_last", seed=13),
+    # start_positions with context parallelism: p = cp_position(j) + start (TE's unfused path)
+    make_spec("sbhd", torch.float32, s=4, b=3, h=2, d=16, cp_size=2, cp_rank=1, max_start=5, seed=14),
+    make_spec("bshd", torch.bfloat16, s=6, b=2, h=3, d=16, rot_dim=8, cp_size=3, cp_rank=2, max_start=7,
+              interleaved=True, seed=15),
+    make_spec("thd", torch.float32, h=2, d=16, seqlens=(8, 0, 4, 12), cp_size=2, cp_rank=0, max_start=4, seed=16),
 ]
 
 
