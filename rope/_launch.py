@@ -15,9 +15,8 @@ import os
 import torch
 import triton
 
-from . import _fastlaunch
 from ._kernel import rope_kernel, rope_qk_kernel
-from ._validate import Layout
+from ._table import cos_sin_table, token_positions
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -114,7 +113,7 @@ def _cdiv(a, b):
 class Plan:
     """Grid, scalar arguments and, once compiled, the direct launcher for one call signature."""
 
-    __slots__ = ("kernel", "grid", "scalars", "num_warps", "device", "dense", "compiled", "fast")
+    __slots__ = ("kernel", "grid", "scalars", "num_warps", "device", "dense", "compiled")
 
     def __init__(self, kernel, grid, scalars, num_warps, device, dense):
         self.kernel = kernel
@@ -124,7 +123,6 @@ class Plan:
         self.scalars = scalars  # every argument after the pointers, in the kernel's order
         self.num_warps = num_warps
         self.compiled = None
-        self.fast = None  # (launch, function, threads, shared memory, parameter block): rope._fastlaunch
 
     def arg(self, name: str):
         """The value of the kernel's scalar argument `name` (tests and tools; not on the hot path)."""
@@ -264,7 +262,7 @@ def _decomposition(x, layout, tensor_format, interleaved, per_batch, n_groups, r
                                                   chunks), roles
 
 
-def _groups(layout: Layout, tensor_format: str, has_start: bool, h: int):
+def _groups(layout, tensor_format: str, has_start: bool, h: int):
     """(number of groups, rows per group, whether a group is one (s, b) pair)."""
     per_batch = has_start and tensor_format != "thd"
     if per_batch or tensor_format == "thd":
@@ -287,7 +285,7 @@ def _angle_strides(angles: torch.Tensor) -> tuple:
     return angles.stride(0), angles.stride(-1)
 
 
-def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: bool, has_start: bool,
+def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, has_start: bool,
               cp_size: int, cp_rank: int, angles: torch.Tensor, backward: bool, inplace: bool = False,
               pos_table: bool = False) -> Plan:
     """`angles`: float32 `freqs`, or its cos/sin table (3-D), as the kernel will read it; `pos_table`:
@@ -306,7 +304,7 @@ def make_plan(x: torch.Tensor, layout: Layout, tensor_format: str, interleaved: 
     return Plan(rope_kernel, (n_groups * chunks, 1, 1), scalars, tile[3], x.device, (_dense(x, tensor_format),))
 
 
-def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout: Layout, k_heads: int, tensor_format: str,
+def make_qk_plan(q: torch.Tensor, k: torch.Tensor, layout, k_heads: int, tensor_format: str,
                  interleaved: bool, has_start: bool, cp_size: int, cp_rank: int, angles: torch.Tensor,
                  backward: bool, inplace: bool = False, pos_table: bool = False) -> Plan:
     """One launch for q and k (same tokens, head dim and dtype; head counts may differ)."""
@@ -364,13 +362,6 @@ _data_ptr = torch.Tensor.data_ptr
 
 def run(plan: Plan, pointers: tuple):
     """Launch `plan` on its pointer arguments (tensors, in the kernel's order)."""
-    fast = plan.fast
-    if fast is not None and not _hooks_set():
-        # The lean C launch (rope._fastlaunch): the plan's parameter block with this call's pointers.
-        # False only on a thread with no current CUDA context, which Triton's launcher sets up.
-        launch, function, threads, shared, block = fast
-        if launch(function, plan.grid[0], threads, shared, _raw_stream(plan.device), block, *map(_data_ptr, pointers)):
-            return
     compiled = plan.compiled
     if compiled is not None and not _hooks_set():
         # The compiled kernel's C launcher, called as Triton's own CompiledKernel runner calls it
@@ -388,5 +379,81 @@ def run(plan: Plan, pointers: tuple):
     if not INTERPRET:
         compiled._init_handles()
         plan.compiled = compiled
-        if plan.grid[1:] == (1, 1):
-            plan.fast = _fastlaunch.prepare(compiled, plan.kernel.arg_names, len(pointers), plan.scalars)
+
+
+# ---- a checked call (rope._validate.Call) -> its plans, angle and position sources, launches ----
+
+
+def plan_for(call, x, angles, backward, inplace=False, pos_table=False) -> Plan:
+    # The call's key fixes x's strides where x is the call's own tensor (forward, and the custom
+    # op's calls), not where it is a gradient. It fixes freqs.shape, hence the angle source's
+    # shape; angles.stride() has 4 entries for `freqs` and 3 for its table, so it also tells the
+    # two sources apart.
+    key = (backward, inplace, pos_table, x.stride() if backward else None, x.data_ptr() % 16, angles.stride(),
+           angles.data_ptr() % 16)
+    plan = call.plans.get(key)
+    if plan is None:
+        plan = make_plan(x, call.layout, call.tensor_format, call.interleaved, call.has_start, call.cp_size,
+                         call.cp_rank, angles, backward, inplace, pos_table)
+        call.plans[key] = plan
+    return plan
+
+
+def qk_plan_for(call, q, k, angles, backward, inplace=False, pos_table=False) -> Plan:
+    key = ("qk", backward, inplace, pos_table, q.stride(), q.data_ptr() % 16, k.shape, k.stride(),
+           k.data_ptr() % 16, angles.stride(), angles.data_ptr() % 16)
+    plan = call.plans.get(key)
+    if plan is None:
+        plan = make_qk_plan(q, k, call.layout, k.shape[-2], call.tensor_format, call.interleaved, call.has_start,
+                            call.cp_size, call.cp_rank, angles, backward, inplace, pos_table)
+        call.plans[key] = plan
+    return plan
+
+
+def angles_for(call, freqs):
+    """What the kernel reads for the angles: the cached cos/sin table of `freqs` (`rope._table`;
+    half-split only, interleaved has no table tile), or, where no table may be used, `freqs`
+    itself as float32 (the kernel then evaluates sin/cos)."""
+    if not call.interleaved:
+        table = cos_sin_table(freqs, call.layout.freqs_len, call.layout.rot_dim)
+        if table is not None:
+            return table
+    return freqs if freqs.dtype == torch.float32 else freqs.float()
+
+
+def token_index_for(call, cu_seqlens):
+    """What the kernel reads to place `thd` tokens, and whether it is the position table: the table
+    cached per `cu_seqlens` (`rope._table`) where one may be used and a search of cu_seqlens would
+    take several rounds, else `cu_seqlens` itself, which each program searches."""
+    if reads_positions(call.tensor_format, call.has_start, call.layout.n_seqs):
+        table = token_positions(cu_seqlens, call.layout.s, call.cp_size, call.cp_rank)
+        if table is not None:
+            return table, True
+    return cu_seqlens, False
+
+
+def _pointers(angles, start_positions, token_index):
+    # Unused index tensors still need a valid pointer argument; the kernel never reads them.
+    return angles, start_positions if start_positions is not None else angles, \
+        token_index if token_index is not None else angles
+
+
+def rotate(call, x, angles, start_positions, token_index, backward, inplace=False, pos_table=False):
+    """Rotate x (or its gradient, `backward`) into a new tensor, or in place; returns it."""
+    if call.empty:
+        return x if inplace else empty(x)
+    plan = plan_for(call, x, angles, backward, inplace, pos_table)
+    out = x if inplace else empty(x, plan.dense[0])
+    run(plan, (x, out, *_pointers(angles, start_positions, token_index)))
+    return out
+
+
+def rotate_qk(call, q, k, angles, start_positions, token_index, backward, inplace=False, pos_table=False):
+    """`rotate` for q and k in one launch; returns (q_out, k_out)."""
+    if not (q.numel() or k.numel()):
+        return (q, k) if inplace else (empty(q), empty(k))
+    plan = qk_plan_for(call, q, k, angles, backward, inplace, pos_table)
+    qo = q if inplace else empty(q, plan.dense[0])
+    ko = k if inplace else empty(k, plan.dense[1])
+    run(plan, (q, qo, k, ko, *_pointers(angles, start_positions, token_index)))
+    return qo, ko

@@ -12,6 +12,9 @@ from typing import Optional
 
 import torch
 
+from . import _launch
+from ._validate import checked_call
+
 OP_NAME = "rope::rotate"
 
 
@@ -19,11 +22,10 @@ OP_NAME = "rope::rotate"
 def rotate(x: torch.Tensor, freqs: torch.Tensor, start_positions: Optional[torch.Tensor],
            cu_seqlens: Optional[torch.Tensor], tensor_format: str, interleaved: bool, cp_size: int,
            cp_rank: int, backward: bool) -> torch.Tensor:
-    from .functional import _call_for, _rotate, angles_for, token_index_for
-
-    call = _call_for(x, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
-    token_index, pos_table = token_index_for(call, cu_seqlens)
-    return _rotate(call, x, angles_for(call, freqs), start_positions, token_index, backward, False, pos_table)
+    call = checked_call(x, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
+    token_index, pos_table = _launch.token_index_for(call, cu_seqlens)
+    angles = _launch.angles_for(call, freqs)
+    return _launch.rotate(call, x, angles, start_positions, token_index, backward, False, pos_table)
 
 
 @rotate.register_fake

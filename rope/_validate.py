@@ -335,3 +335,47 @@ def _check_position_values(layout: Layout, tensor_format, start_positions, cu_se
         if top >= s2:
             _fail(ValueError, f"freqs: too short: start_positions reach {hi}, so positions reach "
                               f"{top}, but freqs has s2 = {s2} rows")
+
+
+class Call:
+    """A checked call signature: its layout and flags, and the launch plans made for it
+    (`rope._launch`), so that a repeated signature costs one dict lookup."""
+
+    __slots__ = ("layout", "tensor_format", "interleaved", "has_start", "cp_size", "cp_rank", "checks_values",
+                 "empty", "plans")
+
+    def __init__(self, layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank):
+        self.layout, self.tensor_format, self.interleaved = layout, tensor_format, interleaved
+        self.has_start, self.cp_size, self.cp_rank = start_positions is not None, cp_size, cp_rank
+        self.checks_values = start_positions is not None or cu_seqlens is not None
+        self.empty = layout.s * layout.b * layout.h * layout.d == 0
+        self.plans = {}
+
+
+_CALLS: dict = {}
+_CALLS_MAX = 4096  # packed batches change the token count every step: keep the memo bounded
+
+
+def _index_key(x):
+    return None if x is None else (x.shape, x.dtype, x.device, x.data_ptr() % 16)
+
+
+def checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                 name="t") -> Call:
+    """The call for this signature: checked (`check_static`) on first sight, then found in a dict."""
+    try:
+        key = (t.shape, t.stride(), t.dtype, t.device, freqs.shape, freqs.dtype, freqs.device, tensor_format,
+               interleaved.__class__, interleaved, _index_key(start_positions), _index_key(cu_seqlens),
+               cp_size.__class__, cp_size, cp_rank.__class__, cp_rank)
+        call = _CALLS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
+        key, call = None, None
+    if call is None:
+        layout = check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                              allow_float64=False, name=name)
+        call = Call(layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank)
+        if key is not None:
+            if len(_CALLS) >= _CALLS_MAX:
+                _CALLS.clear()
+            _CALLS[key] = call
+    return call

@@ -8,7 +8,7 @@ import torch
 
 import rope
 import rope._launch
-import rope.functional
+import rope._validate
 from rope import reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,7 +96,7 @@ def gpu_decomposition(monkeypatch):
     for large tensors (8 rows) also for the small ones of tests, so that groups span programs."""
     monkeypatch.setattr(rope._launch, "_INTERPRETER_TILE_ROWS", 0)
     monkeypatch.setattr(rope._launch, "_TABLE_ROWS_SMALL", rope._launch._TABLE_ROWS)
-    monkeypatch.setattr(rope.functional, "_CALLS", {})  # no plan made with the interpreter's tiles
+    monkeypatch.setattr(rope._validate, "_CALLS", {})  # no plan made with the interpreter's tiles
 
 
 @pytest.fixture(params=["table", "evaluated"])
@@ -111,7 +111,7 @@ def angle_source(request):
 
 
 def needs_angle_source(angle_source, interleaved: bool):
-    """Skip the table run of a case that never reads a table (rope.functional: half-split only): it
+    """Skip the table run of a case that never reads a table (rope._launch.angles_for: half-split only): it
     would repeat the evaluated run exactly."""
     if angle_source == "table" and interleaved:
         pytest.skip("no cos/sin table for this case: the evaluated run covers it")

@@ -250,6 +250,30 @@ def test_value_checks_off_never_reads_past_freqs():
     torch.testing.assert_close(out[:, :1], ok)
 
 
+@pytest.mark.parametrize("start", [False, True])
+def test_value_checks_off_tokens_past_the_last_sequence(start):
+    """With value checks off, thd tokens past the end of cu_seqlens (a total short of the tokens)
+    belong to no sequence: their rotated channels are NaN, start_positions is never read past its
+    end, and the tokens inside sequences stay exact. Sequences are few, so programs search
+    cu_seqlens (the position table of many sequences gives NaN the same way)."""
+    gen = torch.Generator().manual_seed(6)
+    t = make_t("thd", 7, 1, 2, 8, torch.float32, gen)
+    freqs = make_freqs(8, 8, gen)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)  # 5 of 7 tokens
+    # a view whose next element (start_positions[2], past its end) is a valid start of 0
+    sp = torch.tensor([1, 2, 0], device=DEVICE)[:2] if start else None
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        rope.apply_rotary_pos_emb(t, freqs, "thd", start_positions=sp, cu_seqlens=cu)
+    rope.set_value_checks(False)
+    try:
+        out = rope.apply_rotary_pos_emb(t, freqs, "thd", start_positions=sp, cu_seqlens=cu)
+    finally:
+        rope.set_value_checks(True)
+    assert torch.isnan(out[5:]).all()
+    ok = reference.apply_rotary_pos_emb(t[:5], freqs, "thd", start_positions=sp, cu_seqlens=cu)
+    torch.testing.assert_close(out[:5], ok)
+
+
 def test_value_checks_run_once_per_unmodified_index_tensor(monkeypatch):
     """The device-to-host check runs again exactly when the values may have changed."""
     import rope._validate as validate
@@ -368,11 +392,11 @@ def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomp
 def test_thd_many_sequences(fanout, cp, start, angle_source, monkeypatch, poison_outputs):  # noqa: F811
     # angle_source: with tables on, calls without start_positions read each token's position from
     # its table (tests/test_position_table.py); with them off every call searches cu_seqlens.
-    from rope import _launch, functional
+    from rope import _launch, _validate
 
     if fanout is not None:
         monkeypatch.setattr(_launch, "_SEARCH_FANOUT", fanout)
-        monkeypatch.setattr(functional, "_CALLS", {})  # plans made with the launcher's fanout
+        monkeypatch.setattr(_validate, "_CALLS", {})  # plans made with the launcher's fanout
     n_seqs = 3 * _launch._SEARCH_FANOUT + 5
     gen = torch.Generator().manual_seed(n_seqs + (cp or (1, 0))[0])
     t, freqs, g, kw = many_sequences_case(n_seqs, cp, start, torch.float32, gen)
@@ -443,13 +467,9 @@ def test_output_strides_are_contiguous(tensor_format):
         torch.testing.assert_close(out, reference.apply_rotary_pos_emb(x, freqs, tensor_format, cu_seqlens=cu))
 
 
-def test_functorch_transforms_take_the_autograd_wrapper():
-    """Autograd skips `Function.apply`'s Python wrapper (`functional._direct_apply`) only while no
-    functorch transform is active; under one the wrapper runs, and refuses as it does for any
-    Function without `setup_context`, instead of handing the kernel a wrapped tensor."""
-    from rope import functional
-
-    assert functional._rope_apply is not functional._RoPEFunction.apply  # the direct path on this torch
+def test_functorch_transforms_refuse_cleanly():
+    """Under a functorch transform autograd's Function refuses (no `setup_context`), instead of
+    handing the kernel a wrapped tensor."""
     gen = torch.Generator().manual_seed(13)
     t = make_t("sbhd", 3, 2, 2, 8, torch.float32, gen)
     freqs = make_freqs(3, 8, gen)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rope
-import rope.functional
+import rope._launch
 from rope import reference
 
 from .cases import DEVICE, angle_source, make_freqs, make_t, needs_angle_source, poison_outputs  # noqa: F401
@@ -80,13 +80,13 @@ def test_qk_matches_two_calls_and_float64(tensor_format, interleaved, hq, hk, mo
 
 def test_qk_is_one_launch_each_way(monkeypatch):
     launches = []
-    real_run = rope.functional.run
+    real_run = rope._launch.run
 
     def counting_run(plan, pointers):
         launches.append(plan.kernel.__name__ if hasattr(plan.kernel, "__name__") else str(plan.kernel))
         return real_run(plan, pointers)
 
-    monkeypatch.setattr(rope.functional, "run", counting_run)
+    monkeypatch.setattr(rope._launch, "run", counting_run)
     q, k, gen, kw = _pair("sbhd", 4, 2, torch.float32, seed=1)
     freqs = make_freqs(16, D, gen)
     q.requires_grad_()
