@@ -2,7 +2,8 @@
 #   docker build -t rope .
 #   docker run --rm --gpus all rope                                        # the GPU test suite
 #   docker run --rm --gpus all rope python -m pytest --benchmark-only      # the benchmarks
-#   docker run --rm --gpus all -v "$PWD/bench-out:/rope/bench-out" rope python -m rope.bench
+#   docker run --rm --gpus all -v "$PWD/bench-out:/rope/bench-out" rope \
+#       python -m pytest --benchmark-only --benchmark-json=bench-out/results.json
 # Needs the NVIDIA Container Toolkit on the host and a driver for CUDA 13 (R580 or newer), the
 # CUDA version of PyPI's torch 2.11 wheels.
 FROM python:3.11-slim-bookworm

@@ -105,6 +105,17 @@ def pytest_addoption(parser):
              "tests against (default: rope:apply_rotary_pos_emb)")
 
 
+def pytest_configure(config):
+    """A --rope-impl that cannot be loaded stops the run with one short line, before collection."""
+    from tests.target import load_target
+
+    spec = config.getoption("--rope-impl")
+    try:
+        load_target(spec)
+    except Exception as e:  # noqa: BLE001 - any failure to import or resolve is a usage error
+        raise pytest.UsageError(f"--rope-impl {spec}: {type(e).__name__}: {e}") from None
+
+
 def pytest_report_header(config):
     return [f"rope-impl: {config.getoption('--rope-impl')}, hypothesis profile: {_PROFILE}"]
 

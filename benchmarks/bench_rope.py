@@ -1,193 +1,182 @@
-"""pytest-benchmark suite: `pytest --benchmark-only benchmarks/` on a CUDA machine.
+"""pytest-benchmark suite: `pytest --benchmark-only` on a CUDA GPU (without one the module skips).
 
-Forward, backward and forward+backward are separate benchmarks for `rope` and the eager PyTorch
-reference on every case of `rope.bench.shapes` (ROPE_BENCH_QUICK=1 for the --quick subset,
-ROPE_BENCH_SHAPES=name,... for chosen ones), plus `torch.clone` of the same tensor as the floor.
-The large q/k case (Llama GQA) compares `ours_qk` (one apply_rotary_pos_emb_qk call) with `ours_2x`
-(two apply_rotary_pos_emb calls), forward and backward, with clone of q and k as the floor:
-`pytest --benchmark-only benchmarks -k qk`. The other q/k cases run only when named in
-ROPE_BENCH_SHAPES. The in-place case times `ours_inplace` forward (repeated rotations of one
-buffer under no_grad).
+Per case of cases.CASES: clone of the same tensor(s), the floor, then each implementation that runs
+that kind of case (peers.py; peers that are not installed are left out) forward (under no_grad),
+backward (the backward of one recorded forward, replayed) and both; the in-place one forward only.
+Each must first agree with float64 on the case (checks.py): rope failing fails, a peer is skipped.
 
-Timing: pytest-benchmark's clock is replaced by one that synchronizes the GPU before reading the
-host clock, so a round is N back-to-back eager calls bracketed by two synchronizations: the time
-per call includes the GPU work and, where it is larger, the host's dispatch. N is chosen so a
-round lasts a few ms, which makes the synchronization itself negligible. Warm-up rounds run
-first, so Triton compilation and first-call costs stay out. For launch-bound shapes this is the
-host's cost, not the GPU's; `extra_info` also carries the GPU time from CUDA-graph replay (median)
-and the GB/s and fraction of the copy bandwidth from both. `python -m rope.bench` is the fuller
-comparison (torch.compile and other libraries, host cost against clone, targets, plots).
+Eager time (pytest-benchmark's statistics): rounds of back-to-back calls between two reads of a clock
+that synchronizes the GPU first (where dispatch outlasts the GPU's work, the host's cost). GPU time:
+the calls captured in a CUDA graph, replayed behind a spin kernel and timed by CUDA events, median
+per call (none for work that cannot be captured; rope evaluates sin/cos in the kernel under capture,
+as in a user's graph). extra_info gives both as GB/s, as a fraction of the copy bandwidth (measured
+once per session) and as a ratio to clone of the same case in this run; benchmarks/report.py tabulates.
 """
 from __future__ import annotations
 
-import os
+import itertools
+import math
+import statistics
 import time
 
 import pytest
 import torch
 
-from rope.bench.checks import check_impl, reference64
-from rope.bench.inputs import leaf, make_inputs, parts, sets_for
-from rope.bench.peers import make_impls
-from rope.bench.shapes import select
-from rope.bench.timing import Budget, cuda_sync_clock, gpu_time, l2_bytes
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU: on a CPU only Triton's interpreter would be timed", allow_module_level=True)
 
-try:
-    import pytest_benchmark  # noqa: F401
+from cases import CASES, leaf, make_inputs, parts, sets_for  # noqa: E402
+from checks import check_impl, reference64  # noqa: E402
+from peers import IMPLS  # noqa: E402
 
-    HAS_PLUGIN = True
-except ImportError:
-    HAS_PLUGIN = False
 
-HAS_CUDA = torch.cuda.is_available()
+def cuda_sync_clock() -> float:
+    """pytest-benchmark's timer: waits for the GPU, then reads the host clock."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
 
-pytestmark = [
-    pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU: on CPU only Triton's interpreter would be timed "
-                                            "(tests/test_bench_cli.py smoke-tests the harness on CPU)"),
-    pytest.mark.skipif(not HAS_PLUGIN, reason="needs pytest-benchmark (the project's `bench` extra)"),
-    pytest.mark.benchmark(timer=cuda_sync_clock, disable_gc=True),
-]
 
-_NAMED = [n for n in os.environ.get("ROPE_BENCH_SHAPES", "").split(",") if n]
-CASES = select(_NAMED or None, quick=os.environ.get("ROPE_BENCH_QUICK") == "1")
-IMPLS = {impl.name: impl for impl in make_impls(["ours", "reference", "ours_qk", "ours_2x", "ours_inplace"])}
+# A round: back-to-back calls for at least 3 ms (the two synchronizations are noise), 0.2 s of rounds per benchmark
+# after warm-up calls (compilation, autotuning); pytest-benchmark calibrates the calls per round.
+pytestmark = pytest.mark.benchmark(timer=cuda_sync_clock, disable_gc=True, min_time=0.003, max_time=0.2, min_rounds=5,
+                                   warmup=True, warmup_iterations=3)
+REPLAY_US, MAX_CALLS, REPLAYS = 400.0, 64, 50  # graph: calls captured per graph, for ~400 µs at copy speed
+SPIN_CYCLES = 20_000_000  # 10-20 ms of GPU spin: far longer than the host takes to queue the replays
 MODES = ("fwd", "bwd", "fwd+bwd")
+L2_BYTES = torch.cuda.get_device_properties(0).L2_cache_size
+IMPL = {name: cls() for name, cls in IMPLS.items()}
+IMPL = {name: impl for name, impl in IMPL.items() if not impl.missing()}  # conftest names the missing peers
 
 
-def _benchmarks(case):
-    """(impl, mode) pairs for a case, by its kind; clone first as the floor."""
-    if case.kind == "qk":
-        if not (_NAMED or "qk_headline" in case.tags):
-            return []
-        return [("clone", "fwd")] + [(i, m) for i in ("ours_qk", "ours_2x") for m in ("fwd", "bwd")]
-    if case.kind == "inplace":
-        return [("clone", "fwd"), ("ours_inplace", "fwd")]
-    return [("clone", "fwd")] + [(i, m) for i in ("ours", "reference") for m in MODES]
+# Case by case (one case's tensors alive at a time), clone first: the floor the others are compared with.
+PARAMS = [(case, name, mode) for case in CASES for name, impl in [("clone", None), *IMPL.items()]
+          if impl is None or case.kind in impl.kinds for mode in (MODES if impl and impl.backward else ("fwd",))]
 
 
-# Case outermost, so one case's tensors are alive at a time.
-PARAMS = [(c, i, m) for c in CASES for i, m in _benchmarks(c)]
-
-ROUND_S = 0.003  # one round: a few ms of calls, so the two synchronizations are noise
-BENCH_S = 0.2  # timed rounds per benchmark
-GRAPH_BUDGET = Budget(target_ms=10.0)
-
-
-class _Current:
-    """The inputs, float64 reference and check results of the case being benchmarked."""
-
-    name = None
-    inputs = None
-    ref = None
-    checks: dict = {}
+@pytest.fixture(scope="session")
+def copy_gbps():
+    """GB/s (bytes read + written) of an eager 1 GiB device-to-device copy, median of 20 timed by CUDA events.
+    Not in a graph, where copy_ becomes a memcpy node run by the copy engines, slower than an eager copy_'s kernel."""
+    src = torch.empty(1 << 28, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * src.nbytes / (_median_ms(lambda: dst.copy_(src), 20) * 1e-3) / 1e9
 
 
-def _case_state(case):
-    if _Current.name != case.name:
-        _Current.inputs = _Current.ref = None
+def _median_ms(run, reps, spin=False) -> float:
+    """Median ms of `run()` between CUDA events, `reps` times on the current stream (behind a spin kernel if
+    asked: the host then queues every repetition before the GPU reaches the first)."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    if spin:
+        torch.cuda._sleep(SPIN_CYCLES)
+    for start, end in events:
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+_STATE = {"case": None}  # the case being benchmarked: inputs, float64 reference, checks, clone's times
+
+
+def _state(case):
+    if _STATE.get("case") != case:
+        _STATE.clear()
         torch.cuda.empty_cache()
-        inputs = make_inputs(case, "cuda", sets_for(case, torch.device("cuda"), l2_bytes("cuda")), seed=1)
-        _Current.name, _Current.inputs, _Current.checks = case.name, inputs, {}
-        _Current.ref = reference64(inputs, inputs.ts[0], inputs.gs[0])
-    return _Current
+        inputs = make_inputs(case, "cuda", sets_for(case, L2_BYTES), seed=CASES.index(case))
+        ref = reference64(inputs, inputs.ts[0], inputs.gs[0])
+        _STATE.update(case=case, inputs=inputs, ref=ref, checks={}, clone={})
+    return _STATE
 
 
-def _calls(impl, inputs, mode):
-    """(zero-arg callables, one per input set) for a mode; forward-only runs under no_grad."""
+def _calls(impl, inputs, mode) -> list:
+    """One zero-argument call per input set (clone where impl is None)."""
     fns = []
     for t, g in zip(inputs.ts, inputs.gs, strict=True):
-        if mode == "fwd":
+        if impl is None:
+            fns.append(lambda t=t: [x.clone() for x in parts(t)])
+        elif mode == "fwd":
             b = impl.bind(inputs, t)
-
-            def fn(b=b):
-                with torch.no_grad():
-                    return b.fn(*b.xs)
-        elif mode == "bwd":
+            fns.append(torch.no_grad()(lambda b=b: b.fn(*b.xs)))
+        elif mode == "bwd":  # the forward recorded once here; each call replays its backward
             b = impl.bind(inputs, leaf(t), g)
             outs = b.fn(*b.xs)
-
-            def fn(b=b, outs=outs):
-                return torch.autograd.grad(outs, b.xs, b.gs, retain_graph=True)
+            fns.append(lambda b=b, outs=outs: torch.autograd.grad(outs, b.xs, b.gs, retain_graph=True))
         else:
             b = impl.bind(inputs, leaf(t), g)
-
-            def fn(b=b):
-                return torch.autograd.grad(b.fn(*b.xs), b.xs, b.gs)
-        fns.append(fn)
+            fns.append(lambda b=b: torch.autograd.grad(b.fn(*b.xs), b.xs, b.gs))
     return fns
 
 
-def _rotating(fns):
-    state = [0]
+def gpu_us(build, calls) -> float:
+    """Median GPU µs per call of the calls `build()` returns, `calls` of them captured in one CUDA graph.
 
-    def call():
-        fns[state[0]]()
-        state[0] = (state[0] + 1) % len(fns)
+    `build` runs on the timed stream, so autograd records the forward there and the backward runs
+    there too, inside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs were written on the default stream
+    with torch.cuda.stream(stream):
+        fns = build()
+        for _ in range(3):  # warm-up outside the capture (allocator, autograd, lazy initialization)
+            for fn in fns:
+                fn()
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                fns[i % len(fns)]()
+        graph.replay()  # the first replay uploads the graph
+        ms = _median_ms(graph.replay, REPLAYS, spin=True)
+    torch.cuda.current_stream().wait_stream(stream)  # what was made on the timed stream may be reused after
+    return ms * 1e3 / calls
 
-    return call
 
-
-def _plan(target):
-    """Iterations per round and rounds, from one synchronized call after a warm-up."""
-    for _ in range(3):
-        target()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    target()
-    torch.cuda.synchronize()
-    one = max(time.perf_counter() - t0, 1e-6)
-    iterations = int(min(max(ROUND_S / one, 1), 500))
-    rounds = int(min(max(BENCH_S / (one * iterations), 5), 50))
-    return iterations, rounds
-
-
-@pytest.mark.parametrize(("case", "impl_name", "mode"), PARAMS,
-                         ids=[f"{c.name}-{i}-{m}" for c, i, m in PARAMS])
+@pytest.mark.parametrize(("case", "impl_name", "mode"), PARAMS, ids=[f"{c.name}-{i}-{m}" for c, i, m in PARAMS])
 def test_rope(benchmark, copy_gbps, case, impl_name, mode):
-    state = _case_state(case)
-    inputs = state.inputs
-    benchmark.group = f"{case.name}: {case.label} {case.dtype} {case.fmt}"
+    state = _state(case)
+    inputs, impl = state["inputs"], IMPL.get(impl_name)
+    benchmark.group = f"{case.name}: {case.label}"
     info = benchmark.extra_info
-    info.update(case=case.name, shape=list(case.shape), label=case.label, dtype=case.dtype, format=case.fmt,
-                rot_dim=case.d2, interleaved=case.interleaved, impl=impl_name, mode=mode, copy_gbps=copy_gbps)
-    if case.hk:
-        info.update(k_shape=list(case.shapes[1]), k_heads=case.hk)
-    if case.inplace:
-        info.update(inplace=True, note="repeated in-place rotations of one buffer: values change, work does not")
-
-    if impl_name == "clone":
-        if case.hk:  # q and k: both cloned, two launches
-            fns = [lambda t=t: [x.clone() for x in parts(t)] for t in inputs.ts]
-        else:
-            fns = [lambda t=t: t.clone() for t in inputs.ts]
-        nbytes = 2 * case.numel * case.elem_bytes
-        graph_fns = lambda: fns  # noqa: E731
-        safe = True
-    else:
-        impl = IMPLS[impl_name]
-        why = impl.missing() or impl.unsupported(case)
+    info.update(case=case.name, label=case.label, impl=impl_name, mode=mode)
+    if impl is not None:
+        why = impl.unsupported(case)
         if why:
-            pytest.skip(why)
-        if impl_name not in state.checks:
-            state.checks[impl_name] = check_impl(impl, inputs, inputs.ts[0], inputs.gs[0], state.ref)
-        chk = state.checks[impl_name]
-        info.update(fwd_rel_err=chk.fwd_err, bwd_rel_err=chk.bwd_err)
-        assert chk.ok, f"{impl_name} disagrees with float64 on {case.name}: {chk.message}"
-        fns = _calls(impl, inputs, mode)
-        nbytes = {"fwd": case.bytes_fwd, "bwd": case.bytes_bwd, "fwd+bwd": case.bytes_fwd + case.bytes_bwd}[mode]
-        graph_fns = lambda: _calls(impl, inputs, mode)  # noqa: E731
-        safe = impl.bind(inputs, inputs.ts[0]).graph_safe
+            pytest.skip(f"{impl_name}: {why}")
+        if impl_name not in state["checks"]:
+            state["checks"][impl_name] = check_impl(impl, inputs, inputs.ts[0], inputs.gs[0], state["ref"])
+        check = state["checks"][impl_name]
+        if not check.ok and impl.ours:
+            pytest.fail(f"{impl_name} disagrees with float64 on {case.name}: {check.message}")
+        if not check.ok:
+            pytest.skip(f"{impl_name} disagrees with float64 on {case.name}, not timed: {check.message}")
+        info.update(fwd_rel_err=check.fwd_err, bwd_rel_err=check.bwd_err)
 
-    target = _rotating(fns)
-    iterations, rounds = _plan(target)
-    benchmark.pedantic(target, iterations=iterations, rounds=rounds, warmup_rounds=2)
+    sets = itertools.cycle(_calls(impl, inputs, mode))  # one call per input set, in turn
 
+    def target():
+        next(sets)()
+
+    benchmark(target)
     if benchmark.stats is None:  # --benchmark-disable: the target ran once, nothing was timed
         return
-    median = benchmark.stats.stats.median  # seconds per call
-    gbps = nbytes / median / 1e9
-    info.update(bytes=nbytes, us_per_call=median * 1e6, gbps=gbps, frac_copy=gbps / copy_gbps,
-                timer="cuda synchronize + perf_counter around back-to-back eager calls")
-    g = gpu_time(graph_fns, "cuda", GRAPH_BUDGET, graph=safe)
-    g_gbps = nbytes / (g.us * 1e-6) / 1e9
-    info.update(gpu_us=g.us, gpu_method=g.method, gpu_gbps=g_gbps, gpu_frac_copy=g_gbps / copy_gbps)
+
+    nbytes = 2 * case.numel * case.elem_bytes if impl is None else case.bytes_fwd * (2 if mode == "fwd+bwd" else 1)
+    us = benchmark.stats.stats.median * 1e6
+    gpu = None
+    if impl is None or impl.capturable(case):
+        calls = min(MAX_CALLS, math.ceil(REPLAY_US * copy_gbps * 1e3 / nbytes))  # nearly the same for a case's impls
+        gpu = gpu_us(lambda: _calls(impl, inputs, mode), calls)
+    if impl is None:
+        state["clone"] = {"us": us, "gpu_us": gpu}
+    clone = state["clone"]  # empty if clone of this case was deselected
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    def gbps(t_us):
+        return ratio(nbytes / 1e3, t_us)  # bytes per µs / 1e3
+
+    info.update(bytes=nbytes, copy_gbps=copy_gbps, us=us, gbps=gbps(us), frac_copy=gbps(us) / copy_gbps, gpu_us=gpu,
+                gpu_gbps=gbps(gpu), gpu_frac_copy=ratio(gbps(gpu), copy_gbps),
+                x_clone=ratio(us, clone.get("us")), gpu_x_clone=ratio(gpu, clone.get("gpu_us")))

@@ -1,6 +1,6 @@
 """Facts about the kernels' compiled code for Hopper (sm_90), checked without a GPU.
 
-Triton cross-compiles the kernels to PTX on any machine (`rope.bench.ptx`). The facts that the
+Triton cross-compiles the kernels to PTX on any machine (`tests/ptx.py`). The facts that the
 bandwidth depends on are properties of that code, not of a run: every access to `t` is 16 bytes
 wide per thread, sin/cos are evaluated once per angle (or not at all where the table is read),
 never with approximate instructions, and the loads that many programs share are marked to stay
@@ -11,8 +11,11 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 VARIANTS = {
     "table-sbhd-bf16": dict(table=True, split=True, num_warps=1),
@@ -26,7 +29,7 @@ VARIANTS = {
 # from a child process without it (a few seconds for all variants).
 _SCRIPT = """
 import json, sys
-from rope.bench import ptx
+from tests import ptx
 out = {}
 for name, kw in json.loads(sys.argv[1]).items():
     out[name] = ptx.compile_variant(ptx.rope_kernel, **kw).asm["ptx"]
@@ -38,7 +41,7 @@ print(json.dumps(out))
 def ptx():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(VARIANTS)], env=env, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, cwd=ROOT)
     if done.returncode != 0 and "backend" in done.stderr.lower() and "nvidia" in done.stderr.lower():
         pytest.skip(f"this Triton build cannot cross-compile for sm_90: {done.stderr.splitlines()[-1]}")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Compile the kernels for a GPU target on any machine (no GPU needed) and summarize the PTX.
 
-    python -m rope.bench.ptx                 # sm_90, a few representative variants
-    python -m rope.bench.ptx --arch 80
+    python -m tests.ptx                 # sm_90, a few representative variants
+    python -m tests.ptx --arch 80
 
 What it answers without device time: are the global loads and stores 16 bytes wide
 (`ld.global.v4.b32`), how many sin/cos each thread evaluates (inlined libdevice `__nv_sinf`
@@ -18,7 +18,7 @@ from collections import Counter
 import triton
 from triton.backends.compiler import GPUTarget
 
-from .._kernel import rope_kernel, rope_qk_kernel
+from rope._kernel import rope_kernel, rope_qk_kernel
 
 CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "INTERLEAVED", "BACKWARD", "IS_THD", "GROUP_PER_BATCH", "HAS_START", "USE_CP",
               "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE", "SPLIT", "FANOUT",
