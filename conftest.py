@@ -16,7 +16,7 @@ if not HAS_CUDA:
 def _interpreter_without_overflow_asserts():
     """Triton's interpreter asserts after every int32 add, sub and mul that it did not overflow
     (compiled GPU code does not, unless built for debugging): about a quarter of an interpreted
-    launch's time (BENCHMARKS.md, note 21; one property test 38 -> 25 s). At the CPU suite's sizes (a
+    launch's time. At the CPU suite's sizes (a
     few thousand elements per tensor) the kernel's int32 indices stay far below 2**31, so the
     asserts cannot fire; the range that matters is guarded by the launcher
     (`rope._launch._check_index_range`, tested). Where this Triton keeps its options elsewhere,
@@ -50,7 +50,7 @@ _COMMON = dict(deadline=None, print_blob=True,
 # CI default: Triton's interpreter on the CPU. Small shapes (tests/strategies.py LIMITS), the same
 # examples every run, no example database, no targeting phase (its extra runs cost minutes). 30
 # examples per property: the whole CPU suite must fit CI's 15 minutes on 2 cores with room to
-# spare (at 40 it reached 12-13 of them; BENCHMARKS.md, note 16). The properties' coverage comes
+# spare. The properties' coverage comes
 # from the GPU profile (100 examples, realistic shapes) and the nightly one; here they check that
 # every path runs and agrees with float64 on small shapes.
 settings.register_profile("cpu-interp", max_examples=30, derandomize=True, database=None,
@@ -60,7 +60,7 @@ settings.register_profile("cpu-interp", max_examples=30, derandomize=True, datab
 # draws), compiled in about a second each; hence 100 examples per property, and `-n auto`
 # (pytest-xdist, workers share Triton's on-disk cache) to spread the compiles over the host's cores,
 # with `--dist worksteal` so that no worker is left with a queue of properties. On an H200 host with
-# 16 cores the whole suite takes 2-3.5 minutes, each property 0.5-1.5 (BENCHMARKS.md, note 14).
+# 16 cores the whole suite takes about 4 minutes.
 settings.register_profile("gpu", max_examples=100, **_COMMON)
 # Long hunt: thousands of examples; the accuracy checks call hypothesis.target() on the error
 # relative to the allowed bound, steering generation towards the worst case.
@@ -83,7 +83,7 @@ def pytest_cmdline_main(config):
     otherwise (`-n N`, `-n 0`, `-p no:xdist`).
 
     The CPU suite is bound by Triton's interpreter, one core per process: on CI's 2-core machine
-    one process took 17 minutes of the 15 CI allows (BENCHMARKS.md, note 21). Runs that pytest-xdist
+    one process takes about twice as long as two. Runs that pytest-xdist
     would change are left alone: collection only, `--pdb`, and `--benchmark-only` (pytest-benchmark
     switches itself off under xdist). Runs before xdist's hook of the same name (both are tryfirst,
     and a conftest registers later, so it is called first), which turns the worker count into

@@ -1,4 +1,4 @@
-"""Core contract (SPEC.md sections 1-5): every format, mode and dtype against the float64 reference.
+"""Core contract (docs/contract.md sections 1-5): every format, mode and dtype against the float64 reference.
 
 Runs on the GPU with realistic shapes, and on the CPU through Triton's interpreter with small ones.
 """
@@ -409,7 +409,7 @@ def test_thd_many_sequences(fanout, cp, start, angle_source, monkeypatch, poison
 def test_table_tile_rule(monkeypatch):
     """Tensors small enough to be in flight at once (32 bytes per resident thread) get 16-byte
     accesses, and up to 16 KB per SM tiles of up to 16 rows where a group spans the batch; larger
-    ones 32-byte accesses and 8-row tiles (note 20)."""
+    ones 32-byte accesses and 8-row tiles (docs/design.md)."""
     from rope import _launch
 
     gpu = torch.device("cuda", 0)
