@@ -1,6 +1,6 @@
 """Context parallelism on a real process group: the dual-chunk layout and the per-rank worker.
 
-Layout (SPEC.md section 3): a sequence of global length G = 2 * cp * c is cut into 2 * cp chunks of
+Layout (docs/contract.md section 3): a sequence of global length G = 2 * cp * c is cut into 2 * cp chunks of
 c tokens; rank r holds chunk r followed by chunk 2 * cp - 1 - r, a local sequence of 2c tokens.
 Pairing an early chunk with a late one is what balances causal attention across ranks, and it is
 why a rank's positions are not contiguous. For thd every packed sequence is cut this way on its

@@ -1,4 +1,4 @@
-"""The one accuracy rule every comparison uses (SPEC.md section 4).
+"""The one accuracy rule every comparison uses (docs/contract.md section 4).
 
 An output element is the float32 evaluation of  x_i cos f_i + sigma x_pi(i) sin f_pi'(i),  rounded
 once to t.dtype. Against the exact value (float64 on the same rounded inputs):

@@ -134,7 +134,7 @@ class Spec:
         return [self.s] * self.b
 
     def max_position(self, start: Optional[int] = None) -> int:
-        """Largest position any token reaches (SPEC.md section 3), -1 when there is no token."""
+        """Largest position any token reaches (docs/contract.md section 3), -1 when there is no token."""
         top = -1
         for length in self.local_lengths:
             if length == 0:

@@ -1,4 +1,4 @@
-"""Bad input (SPEC.md section 5): every rule of sections 2-3, violated on an otherwise valid drawn call,
+"""Bad input (docs/contract.md section 5): every rule of sections 2-3, violated on an otherwise valid drawn call,
 raises ValueError or TypeError whose message names the argument at fault, and writes nothing.
 
 Each rule takes a valid call and breaks one thing; the rules run as one parametrized property test,

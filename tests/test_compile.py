@@ -1,4 +1,4 @@
-"""torch.compile: the kernel as a custom op (SPEC.md section 6).
+"""torch.compile: the kernel as a custom op (docs/contract.md section 7).
 
 A model using rope compiles with fullgraph=True (no graph breaks), matches eager bitwise forward
 and backward, recompiles nothing when only s or b change, and the op passes torch.library.opcheck

@@ -4,7 +4,7 @@ Triton cross-compiles the kernels to PTX on any machine (`rope.bench.ptx`). The 
 bandwidth depends on are properties of that code, not of a run: every access to `t` is 16 bytes
 wide per thread, sin/cos are evaluated once per angle (or not at all where the table is read),
 never with approximate instructions, and the loads that many programs share are marked to stay
-in L2 (BENCHMARKS.md, notes 2, 11 and 17).
+in L2 (docs/design.md).
 """
 import json
 import os

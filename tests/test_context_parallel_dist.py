@@ -1,4 +1,4 @@
-"""Context parallelism end to end on a real `torch.distributed` process group (SPEC.md section 6).
+"""Context parallelism end to end on a real `torch.distributed` process group (docs/contract.md section 7).
 
 Each test spawns cp_size processes that form one process group: NCCL with one GPU per rank where
 the machine has cp_size GPUs, gloo otherwise (CPU tensors and Triton's interpreter in CI). Every
@@ -41,7 +41,7 @@ def _backend(cp: int) -> str:
     (3, [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]),
 ])
 def test_dual_chunk_layout(cp, want):
-    """Rank r holds chunk r, then chunk 2cp-1-r (SPEC.md section 3); unshard is its inverse."""
+    """Rank r holds chunk r, then chunk 2cp-1-r (docs/contract.md section 3); unshard is its inverse."""
     g = torch.arange(4 * cp)
     parts = [shard(g, 0, cp, r) for r in range(cp)]
     assert [p.tolist() for p in parts] == want

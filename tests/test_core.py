@@ -1,4 +1,4 @@
-"""Core contract (SPEC.md sections 1-5): every format, mode and dtype against the float64 reference.
+"""Core contract (docs/contract.md sections 1-5): every format, mode and dtype against the float64 reference.
 
 Runs on the GPU with realistic shapes, and on the CPU through Triton's interpreter with small ones.
 """

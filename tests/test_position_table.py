@@ -1,5 +1,5 @@
 """The position table cached per `cu_seqlens` tensor (rope._table.token_positions): each packed
-token's position as SPEC.md section 3 defines it, reused exactly while it describes `cu_seqlens`,
+token's position as docs/contract.md section 3 defines it, reused exactly while it describes `cu_seqlens`,
 never stale, never used where it could not follow `cu_seqlens`, and read by the kernel where it
 replaces the search of `cu_seqlens` (thd without start_positions, many sequences)."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .numerics import assert_within_rounding
 
 
 def _spec_positions(lengths, cp_size, cp_rank):
-    """SPEC.md, section 3, token by token: offset j in the local part of its sequence, and under
+    """docs/contract.md section 3, token by token: offset j in the local part of its sequence, and under
     context parallelism the two chunks cp_rank and 2 * cp_size - 1 - cp_rank of c = L / 2 each."""
     out = []
     for length in lengths:

@@ -23,7 +23,7 @@ from .cases import reference64, run_case
 from .numerics import assert_within_rounding, error_bound, partner_scale
 from .strategies import build, make_spec, rope_specs, scaled_examples
 
-# Edges every profile runs first (SPEC.md sections 2-4).
+# Edges every profile runs first (docs/contract.md sections 2-4).
 PINS = [
     make_spec("sbhd", torch.float32, s=3, b=2, h=2, d=8, rot_dim=2, seed=1),  # d2 = 2: one pair
     make_spec("bshd", torch.bfloat16, s=1, b=3, h=2, d=16, max_start=5, seed=2),  # s = 1
@@ -63,7 +63,7 @@ def worst_ratio(got, ref64, x, rot_dim, interleaved) -> float:
 
 
 def check_output_contract(out, t):
-    """SPEC.md section 2: a new contiguous tensor of t's shape and dtype."""
+    """docs/contract.md section 2: a new contiguous tensor of t's shape and dtype."""
     assert isinstance(out, torch.Tensor), f"output: expected a tensor, got {type(out).__name__}"
     assert out.shape == t.shape, f"output: shape {tuple(out.shape)}, expected {tuple(t.shape)}"
     assert out.dtype == t.dtype, f"output: dtype {out.dtype}, expected t's {t.dtype}"

@@ -1,4 +1,4 @@
-"""q and k in one launch, and the in-place mode (SPEC.md section 6)."""
+"""q and k in one launch, and the in-place mode (docs/contract.md section 7)."""
 from __future__ import annotations
 
 import itertools

@@ -1,4 +1,4 @@
-"""Tests of the oracle itself: `rope.reference` in float64 against SPEC.md section 3 written out
+"""Tests of the oracle itself: `rope.reference` in float64 against docs/contract.md section 3 written out
 independently (a loop over tokens applying an explicit 2x2 matrix per channel pair, and complex
 multiplication for rotation angles), and its backward against `torch.autograd.gradcheck`.
 
@@ -36,7 +36,7 @@ def _tokens(spec):
 
 
 def _position(spec, case, q, j, length):
-    """SPEC.md section 3, word for word."""
+    """docs/contract.md section 3, word for word."""
     p = j
     if spec.cp_size > 1:
         c = length // 2
