@@ -1,44 +1,21 @@
-"""The Triton kernels: forward and backward (adjoint) RoPE for every format and mode.
+"""The Triton kernels: forward and backward (adjoint) RoPE for every format and mode (docs/design.md).
 
-`rope_kernel` rotates one tensor; `rope_qk_kernel` rotates q and k of a layer in one launch. Both
-are the same helpers (program, position, angles, chunk load and store); they differ in their
-arguments and in where a row's pointer comes from (x, or q or k per row). Triton has no optional
-arguments, and the single-tensor launch should not pay for k's.
-
-Work decomposition. Tokens that share a position share their angles: a *group* is a set of
-rows with one position, and a program handles a chunk of one group's rows (rows_per_program, a
+`rope_kernel` rotates one tensor, `rope_qk_kernel` q and k of a layer in one launch; both run `_rope`
+(the single-tensor kernel with x as q and as k, and no k rows). A *group* is a set of rows with one
+position, hence one set of angles; a program handles a chunk of one group's rows (rows_per_program, a
 multiple of the tile height BLOCK_R).
 - sbhd/bshd without start_positions: group = one s index, rows = all b*h (b, h) pairs.
 - sbhd/bshd with start_positions:    group = one (s, b) pair, rows = its h heads.
-- thd:                               group = one token, rows = its h heads; its position is read
-                                     from a table, or its sequence found by a search of cu_seqlens,
-                                     so the grid is sized by tokens.
-The grid is one-dimensional and its order follows memory: consecutive programs read neighbouring
-addresses, as a copy kernel does. Program `pid` takes row chunk `pid % inner` of a run of `inner`
-consecutive chunks, then the groups, then the runs (`inner` = chunks per group when a group's
-rows are contiguous, as in sbhd; chunks per b when they are not, as in bshd). Programs spaced by a
-group's stride instead (a 2-D grid, groups fastest) hit a few memory channels at a time: 5-15 %
-slower on an H200 (BENCHMARKS.md, note 13).
+- thd:                               group = one token, rows = its h heads.
+The 1-D grid follows memory, as a copy kernel's does: program `pid` takes row chunk `pid % inner` of a
+run of `inner` consecutive chunks, then the groups, then the runs (`inner` = chunks per group where a
+group's rows are contiguous, as in sbhd; chunks per b where they are not, as in bshd).
 
-Each program loads its first chunk of `t` *before* its angles (position, cos/sin), so the two
-round trips overlap, then loops over any further chunks. Where the angles are read from a float32
-cos/sin table (TABLE, `rope._table`: every half-split call), a program is one small tile, as in a
-copy kernel (thd: a few, over which its search of cu_seqlens is amortised). Where sin/cos are
-evaluated in the kernel, a program covers several tiles so that the accurate float32 sin/cos (tens
-of instructions) are amortised.
-
-Channels: the rotated part is handled as two [rows, d2/2] halves `a` and `b` = partner(a):
-half-split reads them as two contiguous slices; interleaved reads one contiguous [rows, d2] slice
-and splits even/odd lanes in registers, so every global access stays wide. Channels d2..d are
-copied in the same program.
-
-Adjoint. With sa = sin f[a], sb = sin f[b]:
+The rotated channels are two [rows, d2/2] halves a and b = partner(a); channels d2..d are copied.
   forward   out_a = xa cos fa - xb sa        out_b = xb cos fb + xa sb
   backward  out_a = ga cos fa + gb sb        out_b = gb cos fb - ga sa
-i.e. the backward is the forward with (sa, sb) replaced by (-sb, -sa): each element takes its
-partner's sine. It equals a rotation by -theta only when fa == fb, which the contract never assumes.
-
-In place (INPLACE), out is x itself: a barrier separates each chunk's loads from its stores.
+(sa = sin f[a], sb = sin f[b]): the backward takes (-sb, -sa) for (sa, sb). It is a rotation by -theta
+only when fa == fb, which the contract never assumes.
 """
 import triton
 import triton.language as tl
@@ -46,21 +23,17 @@ import triton.language as tl
 
 @triton.jit
 def _tile_ptrs(rp_q, rp_k, in_q, cols, sd_q, sd_k):
-    """Pointers of a [rows, cols] tile whose rows start at rp_q where in_q, else at rp_k (the q+k
-    kernel; the single-tensor kernel passes the same rows twice). The choice is made on the 2-D
-    pointers, not on the row starts: then the compiler still sees each row's columns as contiguous
-    and aligned, and keeps 16-byte accesses."""
+    """Pointers of a [rows, cols] tile whose rows start at rp_q where in_q, else at rp_k. Choosing among
+    the 2-D pointers, not the row starts, keeps each row's columns visibly contiguous and aligned to the
+    compiler, hence its 16-byte accesses."""
     return tl.where(in_q[:, None], rp_q[:, None] + cols[None, :] * sd_q, rp_k[:, None] + cols[None, :] * sd_k)
 
 
 @triton.jit
 def _to_output(v, out_ty: tl.constexpr, RNE_BF16: tl.constexpr):
-    """Round float32 `v` once to the output type.
-
-    Triton's CPU interpreter converts float32 to bfloat16 by truncation, the GPU rounds to nearest
-    even. Under the interpreter (RNE_BF16) the rounding is done on the bits first, so that the
-    conversion after it is exact and both paths give the same, correctly rounded, result.
-    """
+    """Round float32 `v` once to the output type. Triton's CPU interpreter converts float32 to bfloat16
+    by truncation, the GPU rounds to nearest even: under the interpreter (RNE_BF16) the rounding is done
+    on the bits first, so that both give the same, correctly rounded, result."""
     if RNE_BF16:
         bits = v.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
@@ -70,15 +43,10 @@ def _to_output(v, out_ty: tl.constexpr, RNE_BF16: tl.constexpr):
 
 @triton.jit
 def _pin(v, PIN: tl.constexpr):
-    """Identity that the compiler may not duplicate (an opaque, side-effecting move).
-
-    The angles' sin/cos are computed in the 1-D layout of their load, where each thread holds few
-    distinct channels; the tile then needs them in the slice layout of its own, where every
-    thread column repeats them. Left alone, the compiler may recompute sin/cos in that slice
-    layout instead of moving the values once through shared memory: 4-8x more transcendental
-    work per thread, enough to make the kernel compute-bound at d = 128. Pinning the values
-    forces the cheap move. (Not available in the CPU interpreter, where it does not matter.)
-    """
+    """Identity that the compiler may not duplicate (an opaque, side-effecting move). sin/cos are
+    computed in the 1-D layout of their load; left alone, the compiler may recompute them in the
+    tile's slice layout, where every thread column repeats them, instead of moving the values once
+    through shared memory, and the kernel becomes compute-bound. Not available in the interpreter."""
     if PIN:
         v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=False, pack=1)
     return v
@@ -87,22 +55,16 @@ def _pin(v, PIN: tl.constexpr):
 @triton.jit
 def _shared_load(ptrs, mask, other):
     """A load of what many programs read (cos/sin table or angle rows, cu_seqlens, start_positions),
-    marked to stay in L2 ahead of `t`, which streams through once. Without the mark, `t`'s lines
-    evict a table row between the programs that share it (bshd reads row s again one batch entry,
-    32 MB, later): Llama bshd bf16 89.0 -> 93.4 % of copy on an H200, sbhd 90.8 -> 93.1
-    (BENCHMARKS.md, note 17). Marking `t`'s own loads evict_first instead was 1-5 points slower."""
+    marked to stay in L2: `t` streams through once, and its lines would otherwise evict a table row
+    between the programs that share it (bshd reads row s again one batch entry later)."""
     return tl.load(ptrs, mask=mask, other=other, eviction_policy="evict_last")
 
 
 @triton.jit
 def _program(n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr, SPLIT: tl.constexpr):
-    """(s index, b index, row chunk) of this program, in the memory order described above.
-
-    Index arithmetic is int32 (the launcher keeps programs and rows per group below 2**31): a
-    64-bit division is a ~60-instruction subroutine, and a program of the table kernel is one
-    small tile. Only offsets, products with strides, are 64-bit. Without SPLIT (one chunk per
-    group) there is nothing to divide: the evaluating kernel in float32 lost 5-11 % of copy to
-    these divisions in front of its first load (BENCHMARKS.md, note 13)."""
+    """(s index, b index, row chunk) of this program, in memory order. Index math is int32 (the launcher
+    keeps programs and rows below 2**31), as a 64-bit division is a long subroutine in front of the
+    first load; only offsets are 64-bit. Without SPLIT (one chunk per group) nothing is divided."""
     pid = tl.program_id(0)
     if not SPLIT:
         group = pid
@@ -118,16 +80,11 @@ def _program(n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr, SPLIT: tl.
 
 @triton.jit
 def _sequence_of(token, cu_ptr, n_seqs, cp_size, FANOUT: tl.constexpr):
-    """(index, first local token, local length) of the sequence that holds local token `token`:
-    the largest q with cu[q] // cp_size <= token ("largest" skips empty sequences).
-
-    A FANOUT-way search: each round loads FANOUT evenly spaced entries of the candidate range at
-    once and keeps the sub-range below the first one past `token`, so 2048 sequences take 3
-    rounds of loads (FANOUT 32) where bisection took 11, each a round trip to L2 that precedes the
-    program's angles (thd with 2048 sequences of 8 tokens: BENCHMARKS.md, note 15). The bounds
-    come from the loaded entries: cu[q] is the largest one found <= token, cu[q + 1] the smallest
-    one above it (every index next to a candidate range's end was loaded in an earlier round).
-    """
+    """(index, first local token, local length) of the sequence that holds local token `token`: the
+    largest q with cu[q] // cp_size <= token ("largest" skips empty sequences). Each round loads FANOUT
+    evenly spaced entries of the candidate range and keeps the sub-range below the first one past
+    `token`: few round trips to L2 precede the angles (3 for 2048 sequences, bisection takes 11). The
+    bounds are loaded entries: cu[q] the largest found <= token, cu[q + 1] the smallest above it."""
     lanes = tl.arange(0, FANOUT) + 1
     lo = 0
     span = n_seqs + 1  # candidates lo .. lo + span - 1; cu[lo] <= token holds throughout
@@ -150,11 +107,8 @@ def _sequence_of(token, cu_ptr, n_seqs, cp_size, FANOUT: tl.constexpr):
 def _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank,
               IS_THD: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr, FANOUT: tl.constexpr,
               POS_TABLE: tl.constexpr):
-    """Position of the group's token(s) (SPEC.md section 3).
-
-    POS_TABLE (thd without start_positions): cu_ptr is `rope._table`'s position table, one entry
-    per token, read instead of searching cu_seqlens (one dependent load instead of 2-3 rounds).
-    """
+    """Position of the group's token(s) (docs/contract.md section 3). POS_TABLE: cu_ptr is
+    `rope._table`'s position table, one entry per token, read instead of searching cu_seqlens."""
     if POS_TABLE:
         pos = tl.load(cu_ptr + s_idx, eviction_policy="evict_last")
     else:
@@ -196,30 +150,22 @@ def _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd,
 
     TABLE: freqs_ptr is `rope._table`'s [freqs_len, 2, ROT_DIM] table (cos row, then sin row), read
     instead of evaluated. Backward uses the adjoint's factors: (sin_a, sin_b) -> (-sin f[b], -sin f[a]).
-    """
-    # Only reachable when value checks were skipped (graph capture, or switched off): never read
-    # past freqs; the rotated channels of such a token become NaN instead.
+    A position outside freqs (value checks skipped) reads nothing and gives NaN."""
     pos_ok = (pos >= 0) & (pos < freqs_len)
     k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
     f_row = freqs_ptr + tl.where(pos_ok, pos, 0) * stride_fs
+    fa = tl.where(pos_ok, _shared_load(f_row + col_a * stride_fd, k_ok, 0.0), float("nan"))  # table: cos f[a]
+    fb = tl.where(pos_ok, _shared_load(f_row + col_b * stride_fd, k_ok, 0.0), float("nan"))
     if TABLE:
-        cos_a = tl.where(pos_ok, _shared_load(f_row + col_a * stride_fd, k_ok, 0.0), float("nan"))
-        cos_b = tl.where(pos_ok, _shared_load(f_row + col_b * stride_fd, k_ok, 0.0), float("nan"))
+        cos_a, cos_b = fa, fb
         sin_fa = tl.where(pos_ok, _shared_load(f_row + (ROT_DIM + col_a) * stride_fd, k_ok, 0.0), float("nan"))
         sin_fb = tl.where(pos_ok, _shared_load(f_row + (ROT_DIM + col_b) * stride_fd, k_ok, 0.0), float("nan"))
     else:
-        fa = tl.where(pos_ok, _shared_load(f_row + col_a * stride_fd, k_ok, 0.0), float("nan"))
-        fb = tl.where(pos_ok, _shared_load(f_row + col_b * stride_fd, k_ok, 0.0), float("nan"))
         cos_a = _pin(tl.cos(fa), PIN)
         cos_b = _pin(tl.cos(fb), PIN)
         sin_fa = _pin(tl.sin(fa), PIN)
         sin_fb = _pin(tl.sin(fb), PIN)
-    if BACKWARD:
-        sin_a = -sin_fb
-        sin_b = -sin_fa
-    else:
-        sin_a = sin_fa
-        sin_b = sin_fb
+    sin_a, sin_b = (-sin_fb, -sin_fa) if BACKWARD else (sin_fa, sin_fb)
     return cos_a[None, :], cos_b[None, :], sin_a[None, :], sin_b[None, :]
 
 
@@ -236,26 +182,19 @@ def _row_offsets(x_base, o_base, rows, n_heads, stride_xb, stride_xh, stride_ob,
 
 
 @triton.jit
-def _chunk(x_ptr, out_ptr, x_base, o_base, r0, r_end, n_heads, stride_xb, stride_xh, stride_ob, stride_oh,
-           GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Row pointers of rows [r0, r0 + BLOCK_R) of a group in x and in out, and which rows exist."""
-    rows = r0 + tl.arange(0, BLOCK_R)
-    x_row, o_row = _row_offsets(x_base, o_base, rows, n_heads, stride_xb, stride_xh, stride_ob, stride_oh,
-                                GROUP_PER_BATCH)
-    return x_ptr + x_row, out_ptr + o_row, rows < r_end
-
-
-@triton.jit
-def _qk_chunk(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0, r_end, q_rows, q_heads, k_heads,
-              stride_qb, stride_qh, stride_qd, stride_qob, stride_qoh, stride_qod,
-              stride_kb, stride_kh, stride_kd, stride_kob, stride_koh, stride_kod,
-              GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr):
-    """`_chunk` for a group's joint rows, q's then k's: each row is in q (in_q) or in k, so one tile
-    may hold rows of both. Row starts in q and in k (the one not taken is never dereferenced)."""
+def _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0, r_end, q_rows, q_heads, k_heads,
+          stride_qb, stride_qh, stride_qob, stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
+          GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr, QK: tl.constexpr):
+    """Row pointers of rows [r0, r0 + BLOCK_R) of a group, in q and k and in their outputs, which rows
+    are q's (in_q) and which exist. With QK a group's rows are q's then k's, so one tile may hold rows
+    of both (the pointer not taken is never dereferenced); without, x is both q and k."""
     rows = r0 + tl.arange(0, BLOCK_R)
     in_q = rows < q_rows
     q_row, qo_row = _row_offsets(q_base, qo_base, rows, q_heads, stride_qb, stride_qh, stride_qob, stride_qoh,
                                  GROUP_PER_BATCH)
+    if not QK:
+        x_rp, o_rp, r_ok = q_ptr + q_row, qo_ptr + qo_row, rows < r_end
+        return x_rp, x_rp, o_rp, o_rp, r_ok, r_ok
     k_row, ko_row = _row_offsets(k_base, ko_base, rows - q_rows, k_heads, stride_kb, stride_kh, stride_kob,
                                  stride_koh, GROUP_PER_BATCH)
     return q_ptr + q_row, k_ptr + k_row, qo_ptr + qo_row, ko_ptr + ko_row, in_q, rows < r_end
@@ -266,11 +205,9 @@ def _load_chunk(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, HEAD_DIM: tl.constexpr, ROT_
                 INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                 BLOCK_TAIL: tl.constexpr, INPLACE: tl.constexpr):
     """The chunk's channels a and b = partner(a) as float32, and its pass-through tail (t's dtype).
-
-    The tail is loaded with the rotated channels, not after their stores: one round trip per
-    chunk instead of two (rot_dim 64 of 128: 71 % -> 83 % of copy on an H200). In place it is
-    already where it belongs and is neither loaded nor stored.
-    """
+    Interleaved reads one contiguous [rows, d2] slice and splits even/odd lanes in registers, so every
+    access stays wide. The tail comes with the rotated channels (one round trip per chunk, not two); in
+    place it is neither loaded nor stored."""
     k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
     if INTERLEAVED:
         cols = tl.arange(0, 2 * BLOCK_HALF)
@@ -300,9 +237,8 @@ def _store_chunk(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, xa, xb, tail, cos_a, cos_b,
     out_a = xa * cos_a - xb * sin_a
     out_b = xb * cos_b + xa * sin_b
     if INPLACE:
-        # Every element this program stores was loaded by it, but a layout wider than the tile
-        # gives some elements to several threads: without the barrier one thread could store
-        # the rotated value before another loads the original (the race of the seed study).
+        # A layout wider than the tile gives some elements to several threads: without the barrier
+        # one thread could store the rotated value before another loads the original.
         tl.debug_barrier()
     if INTERLEAVED:
         cols = tl.arange(0, 2 * BLOCK_HALF)
@@ -320,12 +256,55 @@ def _store_chunk(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, xa, xb, tail, cos_a, cos_b,
 
 
 # Integer arguments that are counts, not strides: Triton would specialize each on == 1 and on
-# divisibility by 16, multiplying the compiled variants (a new variant is a compile of about a second)
-# for no faster code; strides keep their specialization, which proves 16-byte alignment.
+# divisibility by 16, multiplying the compiled variants for no faster code; strides keep their
+# specialization, which proves 16-byte alignment.
 _COUNTS = ["n_heads", "n_batch", "rows_per_group", "rows_per_program", "n_groups", "inner", "seq_len", "n_seqs",
            "freqs_len", "cp_rank"]
 _QK_COUNTS = ["q_heads", "k_heads", "n_batch", "q_rows", "k_rows", "rows_per_program", "n_groups", "inner", "seq_len",
               "n_seqs", "freqs_len", "cp_rank"]
+
+
+@triton.jit
+def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, start_ptr, cu_ptr,
+          q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+          seq_len, n_seqs, freqs_len, cp_size, cp_rank,
+          stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
+          stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
+          stride_fs, stride_fd,
+          HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+          IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
+          BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
+          PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
+          POS_TABLE: tl.constexpr, QK: tl.constexpr):
+    """One program of either kernel: its chunks of a group's rows, rotated by the group's angles."""
+    s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
+    r_begin = chunk * rows_per_program
+    r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
+    q_base = s_idx * stride_qs + b_idx * stride_qb
+    qo_base = s_idx * stride_qos + b_idx * stride_qob
+    k_base = s_idx * stride_ks + b_idx * stride_kb
+    ko_base = s_idx * stride_kos + b_idx * stride_kob
+    out_ty = qo_ptr.dtype.element_ty
+    # The first chunk is loaded before the angles: its loads are in flight while they are found.
+    xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin, r_end,
+                                       q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob, stride_qoh,
+                                       stride_kb, stride_kh, stride_kob, stride_koh, GROUP_PER_BATCH, BLOCK_R, QK)
+    xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
+                               BLOCK_HALF, BLOCK_TAIL, INPLACE)
+    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP,
+                    FANOUT, POS_TABLE)
+    cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
+                                         BACKWARD, BLOCK_HALF, PIN, TABLE)
+    _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
+                 HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
+    for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
+        xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0, r_end,
+                                           q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob, stride_qoh,
+                                           stride_kb, stride_kh, stride_kob, stride_koh, GROUP_PER_BATCH, BLOCK_R, QK)
+        xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                                   BLOCK_R, BLOCK_HALF, BLOCK_TAIL, INPLACE)
+        _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
+                     HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
 
 
 @triton.jit(do_not_specialize=_COUNTS)
@@ -343,30 +322,14 @@ def rope_kernel(
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
     FANOUT: tl.constexpr, POS_TABLE: tl.constexpr,
 ):
-    s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
-    r_begin = chunk * rows_per_program
-    r_end = tl.minimum(r_begin + rows_per_program, rows_per_group)
-    x_base = s_idx * stride_xs + b_idx * stride_xb
-    o_base = s_idx * stride_os + b_idx * stride_ob
-    out_ty = out_ptr.dtype.element_ty
-    # First chunk before the angles: its loads are in flight while they are found.
-    x_rp, o_rp, r_ok = _chunk(x_ptr, out_ptr, x_base, o_base, r_begin, r_end, n_heads, stride_xb, stride_xh,
-                              stride_ob, stride_oh, GROUP_PER_BATCH, BLOCK_R)
-    xa, xb, tail = _load_chunk(x_rp, x_rp, r_ok, r_ok, stride_xd, stride_xd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
-                               BLOCK_HALF, BLOCK_TAIL, INPLACE)
-    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP,
-                   FANOUT, POS_TABLE)
-    cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
-                                         BACKWARD, BLOCK_HALF, PIN, TABLE)
-    _store_chunk(o_rp, o_rp, r_ok, r_ok, stride_od, stride_od, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
-                 HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
-    for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
-        x_rp, o_rp, r_ok = _chunk(x_ptr, out_ptr, x_base, o_base, r0, r_end, n_heads, stride_xb, stride_xh,
-                                  stride_ob, stride_oh, GROUP_PER_BATCH, BLOCK_R)
-        xa, xb, tail = _load_chunk(x_rp, x_rp, r_ok, r_ok, stride_xd, stride_xd, HEAD_DIM, ROT_DIM, INTERLEAVED,
-                                   BLOCK_R, BLOCK_HALF, BLOCK_TAIL, INPLACE)
-        _store_chunk(o_rp, o_rp, r_ok, r_ok, stride_od, stride_od, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
-                     HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
+    """One tensor: x is q and k, and there are no k rows."""
+    _rope(x_ptr, out_ptr, x_ptr, out_ptr, freqs_ptr, start_ptr, cu_ptr,
+          n_heads, n_heads, n_batch, rows_per_group, 0, rows_per_program, n_groups, inner,
+          seq_len, n_seqs, freqs_len, cp_size, cp_rank,
+          stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
+          stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
+          stride_fs, stride_fd, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD, GROUP_PER_BATCH, HAS_START,
+          USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT, FANOUT, POS_TABLE, False)
 
 
 @triton.jit(do_not_specialize=_QK_COUNTS)
@@ -386,37 +349,11 @@ def rope_qk_kernel(
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
     FANOUT: tl.constexpr, POS_TABLE: tl.constexpr,
 ):
-    """q and k of one layer in one launch: a group's angles are read and evaluated once for both.
-
-    The group's rows are q's rows followed by k's, and a tile's rows point into either (`_qk_chunk`),
-    so this is `rope_kernel` over the joint rows.
-    """
-    s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
-    r_begin = chunk * rows_per_program
-    r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
-    q_base = s_idx * stride_qs + b_idx * stride_qb
-    qo_base = s_idx * stride_qos + b_idx * stride_qob
-    k_base = s_idx * stride_ks + b_idx * stride_kb
-    ko_base = s_idx * stride_kos + b_idx * stride_kob
-    out_ty = qo_ptr.dtype.element_ty
-    xq, xk, oq, ok, in_q, r_ok = _qk_chunk(
-        q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin, r_end, q_rows, q_heads, k_heads,
-        stride_qb, stride_qh, stride_qd, stride_qob, stride_qoh, stride_qod,
-        stride_kb, stride_kh, stride_kd, stride_kob, stride_koh, stride_kod, GROUP_PER_BATCH, BLOCK_R)
-    xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
-                               BLOCK_HALF, BLOCK_TAIL, INPLACE)
-    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP,
-                   FANOUT, POS_TABLE)
-    cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
-                                         BACKWARD, BLOCK_HALF, PIN, TABLE)
-    _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
-                 HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
-    for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
-        xq, xk, oq, ok, in_q, r_ok = _qk_chunk(
-            q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0, r_end, q_rows, q_heads, k_heads,
-            stride_qb, stride_qh, stride_qd, stride_qob, stride_qoh, stride_qod,
-            stride_kb, stride_kh, stride_kd, stride_kob, stride_koh, stride_kod, GROUP_PER_BATCH, BLOCK_R)
-        xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
-                                   BLOCK_R, BLOCK_HALF, BLOCK_TAIL, INPLACE)
-        _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
-                     HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
+    """q and k of one layer in one launch: a group's rows are q's then k's, its angles found once for both."""
+    _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, start_ptr, cu_ptr,
+          q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+          seq_len, n_seqs, freqs_len, cp_size, cp_rank,
+          stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
+          stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
+          stride_fs, stride_fd, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD, GROUP_PER_BATCH, HAS_START,
+          USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT, FANOUT, POS_TABLE, True)

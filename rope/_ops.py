@@ -1,10 +1,8 @@
-"""The kernel as a PyTorch custom op, for `torch.compile`.
+"""The kernel as a PyTorch custom op, for `torch.compile`: Dynamo cannot trace the cached direct launch.
 
-Dynamo cannot trace into a Triton launch through our cached direct-launch path, so compiled code
-calls `torch.ops.rope.rotate` instead: an opaque op with a fake (meta) implementation that gives
-the output's shape, dtype and (contiguous) layout, and an autograd formula whose backward is the
-same op with the direction flipped (the adjoint of the adjoint is the forward). Eager calls do not
-go through here: the dispatcher would add several microseconds to every call.
+`torch.ops.rope.rotate` is opaque, with a fake implementation (a new contiguous tensor) and autograd
+whose backward is the same op in the other direction. Eager calls skip it: the dispatcher would add
+several microseconds to every call.
 """
 from __future__ import annotations
 

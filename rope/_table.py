@@ -1,35 +1,16 @@
-"""Tables derived once per input tensor and read by the kernel: cos/sin of `freqs`, and the position
-of every `thd` token from `cu_seqlens`.
+"""Tables derived once per input tensor and read by the kernel (docs/design.md, "The tables").
 
-Every layer of a step (and q and k) passes the same `freqs`. Evaluating accurate float32 sin/cos
-inside the kernel puts a dependent chain (load angles, tens of instructions, a shared-memory move)
-in front of each program's first load of `t`; reading them from a table does not, and lets the
-kernel use wider tiles (BENCHMARKS.md, note 11). The table is `[freqs_len, 2, rot_dim]` float32:
-row p holds cos(freqs[p]) then sin(freqs[p]), computed by PyTorch (CUDA's cosf/sinf, the same
-functions the kernel would evaluate).
+- cos/sin of `freqs`: `[freqs_len, 2, rot_dim]` float32, row p holding cos(freqs[p]) then sin(freqs[p]),
+  computed by PyTorch (CUDA's cosf/sinf, the functions the kernel would evaluate). Reading it removes the
+  dependent chain (angles, sin/cos, a shared-memory move) in front of each program's first load of `t`.
+- positions of `thd` tokens: `[T]` int64, each token's position in its sequence (context-parallel mapping
+  included), from `cu_seqlens`; one load replaces each program's search of `cu_seqlens`, so it is built
+  only where that search takes several rounds and there are no `start_positions`.
 
-The position table is `[T]` int64: token i's position within its sequence (context parallel
-mapping included), computed by PyTorch from `cu_seqlens`. It replaces each program's search of
-`cu_seqlens` (2-3 rounds of dependent loads with thousands of sequences) by one load (BENCHMARKS.md,
-note 19), so it is built only for `thd` calls with at least `_launch._SEARCH_FANOUT` sequences and
-no `start_positions`.
-
-A table is reused while it provably describes its source tensor: the same live tensor (identity,
-checked through a weak reference, so a new tensor at a recycled address never matches), the same
-storage address, and the same version counter (PyTorch bumps it on every in-place write it
-performs). A write PyTorch does not see (through `.data`, DLPack, or a foreign kernel) would leave
-a stale table: `set_angle_table(False)` turns tables off for code that writes `freqs` or
-`cu_seqlens` that way.
-
-Tables are read on whatever stream a call runs on. A call on another stream than the one that built
-the table waits, on the device, for an event recorded after the build, and the table's memory is
-tied to that stream (`record_stream`), so it is never reused while that stream may still read it.
-
-No table, and the kernel evaluates sin/cos (searches `cu_seqlens`) itself, when:
-- a CUDA graph is being captured: replays read whatever the source then holds, which a table
-  computed before the capture would not follow;
-- the source is an inference tensor (no version counter), which serving code creates per call;
-- tables are switched off.
+A table is reused while it provably describes its source: the same live tensor (a weak reference),
+storage address and version counter. Another stream than the builder's waits on the device for the
+build, and the table's memory is tied to it (`record_stream`). No table during CUDA-graph capture
+(replays must follow the source's values), for inference tensors (no version counter), or when off.
 """
 from __future__ import annotations
 
@@ -45,13 +26,9 @@ _MAX_TABLES = 32  # distinct live `freqs` tensors kept; more than a model has at
 
 def set_angle_table(enabled: bool) -> None:
     """Read cos/sin from a table cached per `freqs` tensor and `thd` positions from a table cached per
-    `cu_seqlens` tensor (default), or evaluate sin/cos and search `cu_seqlens` in the kernel.
-
-    Both give the same positions, and cos/sin of the same values on a GPU (the same float32
-    functions). Turn tables off if `freqs` or `cu_seqlens` is modified in place in ways PyTorch's
-    version counter does not see, or to save their memory (2 x the float32 size of `freqs` per
-    live `freqs` tensor, 8 bytes per token per live `cu_seqlens` tensor).
-    """
+    `cu_seqlens` tensor (default), or evaluate sin/cos and search `cu_seqlens` in the kernel: the same
+    results on a GPU. Turn tables off if `freqs` or `cu_seqlens` is written behind PyTorch's version
+    counter, or to save their memory (2 x `freqs` in float32, 8 bytes per token of `cu_seqlens`)."""
     _ENABLED[0] = bool(enabled)
     if not enabled:
         _TABLES.clear()
@@ -107,9 +84,8 @@ class _Entry:
 
     def order_after_build(self, raw_stream, device):
         """Make the current stream (`raw_stream`, not the builder's) read the table only after it is
-        written, and keep its memory from being reused while that stream may still read it: the
-        caching allocator hands a freed block back to the stream that allocated it at once, and
-        learns of other readers only through `record_stream`."""
+        written, and keep its memory from reuse while that stream may read it (the caching allocator
+        learns of other streams only through `record_stream`)."""
         current = torch.cuda.current_stream(device)
         current.wait_event(self.ready)
         if raw_stream not in self.readers:
@@ -119,9 +95,7 @@ class _Entry:
 
 def _cached(src: torch.Tensor, key, build, *args):
     """build(src, *args) once per `key` (it starts with id(src)) while `src` provably holds the same
-    values, or None where no table may be used (see above). On a GPU the table is safe to read on
-    any stream: a stream other than the builder's waits for the build (no host synchronization;
-    the builder's own stream pays one comparison)."""
+    values, or None where no table may be used (see above); safe to read on any stream."""
     if not _ENABLED[0]:
         return None
     stream = None
@@ -153,8 +127,8 @@ def cos_sin_table(freqs: torch.Tensor, freqs_len: int, rot_dim: int):
 
 
 def _build_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Position of each local token (SPEC.md section 3): its offset j in the sequence whose local range
-    holds it (the last such sequence: empty ones are skipped), mapped to the global position under
+    """Position of each local token (docs/contract.md section 3): its offset j in the sequence whose local
+    range holds it (the last such sequence: empty ones are skipped), mapped to the global position under
     context parallelism. No host-device synchronization."""
     cu = cu_seqlens.to(torch.int64) // cp_size
     n_seqs = cu.shape[0] - 1
@@ -166,8 +140,7 @@ def _build_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_r
         return j
     c = (cu[(seq + 1).clamp_(max=n_seqs)] - start) // 2
     pos = torch.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
-    # A token past the last sequence exists only with value checks off: no position (the kernel
-    # then writes NaN to its rotated channels, as for any position outside freqs).
+    # A token past the last sequence (value checks off) has no position: NaN in the kernel.
     return torch.where(seq < n_seqs, pos, -1)
 
 

@@ -1,11 +1,9 @@
-"""Argument checks shared by the Triton path and the reference (SPEC.md sections 2, 3 and 5).
+"""Argument checks shared by the Triton path and the reference (docs/contract.md sections 2, 3 and 5).
 
-Everything that depends only on shapes, dtypes, devices and plain Python values is checked in
-`check_static`; the result is cacheable per call signature. Checks that need the *values* of
-`cu_seqlens` or `start_positions` live in `check_positions`: they cost one device-to-host copy per
-new or modified index tensor, and are skipped while a CUDA graph is being captured or a graph is
-being traced, where a copy is not allowed. The kernel never reads `freqs` out of range even then
-(it writes NaN for such tokens).
+`check_static` checks what depends only on shapes, dtypes, devices and plain Python values, once per call
+signature (`checked_call`). `check_positions` checks the *values* of `cu_seqlens` and `start_positions`:
+one device-to-host copy per new or modified index tensor, skipped during CUDA-graph capture and tracing,
+where the kernel's range guard (NaN, never an out-of-range read of `freqs`) is what remains.
 """
 from __future__ import annotations
 
@@ -22,10 +20,7 @@ INT_DTYPES = (torch.int32, torch.int64)
 
 
 class Layout(NamedTuple):
-    """What the checks learned about a call, in the (s, b, h, d) roles the kernel uses.
-
-    For `thd`, s is the token count T and b is 1.
-    """
+    """What the checks learned about a call, in the kernel's (s, b, h, d) roles (thd: s = T, b = 1)."""
 
     s: int
     b: int
@@ -36,87 +31,79 @@ class Layout(NamedTuple):
     n_seqs: int  # thd only: number of sequences (len(cu_seqlens) - 1)
 
 
-def _fail(exc, msg):
-    raise exc(msg)
-
-
 def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
                  allow_float64: bool, name: str = "t") -> Layout:
     if not isinstance(t, torch.Tensor):
-        _fail(TypeError, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if not isinstance(freqs, torch.Tensor):
-        _fail(TypeError, f"freqs: expected a torch.Tensor, got {type(freqs).__name__}")
+        raise TypeError(f"freqs: expected a torch.Tensor, got {type(freqs).__name__}")
     allowed = FLOAT_DTYPES + ((torch.float64,) if allow_float64 else ())
     if t.dtype not in allowed:
         extra = "" if allow_float64 else " (float64 runs only with fused=False, the reference)"
-        _fail(TypeError, f"{name}: expected dtype float32, float16 or bfloat16{extra}, got {t.dtype}")
+        raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16{extra}, got {t.dtype}")
     if not freqs.is_floating_point():
-        _fail(TypeError, f"freqs: expected floating-point angles, got {freqs.dtype}")
+        raise TypeError(f"freqs: expected floating-point angles, got {freqs.dtype}")
     if tensor_format not in FORMATS:
-        _fail(ValueError, f"tensor_format: expected one of {FORMATS}, got {tensor_format!r}")
+        raise ValueError(f"tensor_format: expected one of {FORMATS}, got {tensor_format!r}")
     if not isinstance(interleaved, bool):
-        _fail(TypeError, f"interleaved: expected a bool, got {type(interleaved).__name__}")
+        raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        _fail(ValueError, f"cp_size: expected an int >= 1, got {cp_size!r}")
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        _fail(ValueError, f"cp_rank: expected an int in [0, cp_size={cp_size}), got {cp_rank!r}")
+        raise ValueError(f"cp_rank: expected an int in [0, cp_size={cp_size}), got {cp_rank!r}")
 
     want_dim = 3 if tensor_format == "thd" else 4
     if t.dim() != want_dim:
         names = {"sbhd": "[s, b, h, d]", "bshd": "[b, s, h, d]", "thd": "[t, h, d]"}
-        _fail(ValueError, f"{name}: tensor_format {tensor_format!r} expects a {want_dim}-D tensor "
-                          f"{names[tensor_format]}, got shape {tuple(t.shape)}")
+        raise ValueError(f"{name}: tensor_format {tensor_format!r} expects a {want_dim}-D tensor "
+                         f"{names[tensor_format]}, got shape {tuple(t.shape)}")
     if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
-        _fail(ValueError, f"freqs: expected shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
+        raise ValueError(f"freqs: expected shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
     d = t.shape[-1]
     s2, d2 = freqs.shape[0], freqs.shape[3]
     if d2 < 2 or d2 % 2 or d2 > d:
-        _fail(ValueError, f"freqs: rotary width d2 = freqs.shape[-1] must be even with 2 <= d2 <= d = {d}, "
-                          f"got d2 = {d2}")
+        raise ValueError(f"freqs: rotary width d2 = freqs.shape[-1] must be even with 2 <= d2 <= d = {d}, "
+                         f"got d2 = {d2}")
     if freqs.device != t.device:
-        _fail(ValueError, f"freqs: expected the device of {name} ({t.device}), got {freqs.device}")
+        raise ValueError(f"freqs: expected the device of {name} ({t.device}), got {freqs.device}")
 
     if tensor_format == "thd":
         if cu_seqlens is None:
-            _fail(ValueError, "cu_seqlens: required when tensor_format is 'thd'")
+            raise ValueError("cu_seqlens: required when tensor_format is 'thd'")
         _check_index_tensor("cu_seqlens", cu_seqlens, t)
         if cu_seqlens.shape[0] < 1:
-            _fail(ValueError, "cu_seqlens: expected shape [n + 1] with n >= 0, got an empty tensor")
+            raise ValueError("cu_seqlens: expected shape [n + 1] with n >= 0, got an empty tensor")
         s, b, h = t.shape[0], 1, t.shape[1]
         n_seqs = cu_seqlens.shape[0] - 1
         n_pos = n_seqs
     else:
         if cu_seqlens is not None:
-            _fail(ValueError, f"cu_seqlens: only valid with tensor_format 'thd', got {tensor_format!r}")
-        if tensor_format == "sbhd":
-            s, b, h = t.shape[0], t.shape[1], t.shape[2]
-        else:
-            b, s, h = t.shape[0], t.shape[1], t.shape[2]
-        n_seqs = 0
-        n_pos = b
+            raise ValueError(f"cu_seqlens: only valid with tensor_format 'thd', got {tensor_format!r}")
+        s, b = (t.shape[0], t.shape[1]) if tensor_format == "sbhd" else (t.shape[1], t.shape[0])
+        h, n_seqs, n_pos = t.shape[2], 0, b
         if cp_size > 1 and s % 2:
-            _fail(ValueError, f"{name}: with cp_size > 1 the local sequence length must be even, got {s}")
+            raise ValueError(f"{name}: with cp_size > 1 the local sequence length must be even, got {s}")
         if s > 0 and _max_position(s, cp_size, cp_rank) >= s2:
-            _fail(ValueError, f"freqs: too short: positions reach {_max_position(s, cp_size, cp_rank)} "
-                              f"but freqs has s2 = {s2} rows")
+            raise ValueError(f"freqs: too short: positions reach {_max_position(s, cp_size, cp_rank)} "
+                             f"but freqs has s2 = {s2} rows")
 
     if start_positions is not None:
         _check_index_tensor("start_positions", start_positions, t)
         if start_positions.shape[0] != n_pos:
             what = "the number of sequences" if tensor_format == "thd" else "the batch size"
-            _fail(ValueError, f"start_positions: expected shape [{n_pos}] ({what}), "
-                              f"got {tuple(start_positions.shape)}")
+            raise ValueError(f"start_positions: expected shape [{n_pos}] ({what}), "
+                             f"got {tuple(start_positions.shape)}")
     return Layout(s, b, h, d, d2, s2, n_seqs)
 
 
 def check_inplace(name: str, x: torch.Tensor) -> None:
     """In-place rotation needs every element stored once, and autograd must be able to record it."""
     if torch._debug_has_internal_overlap(x) == 1:
-        _fail(ValueError, f"{name}: in-place rotation needs a tensor whose elements do not overlap in memory "
-                          f"(an expanded or stride-0 view was given, strides {tuple(x.stride())})")
+        raise ValueError(f"{name}: in-place rotation needs a tensor whose elements do not overlap in memory "
+                         f"(an expanded or stride-0 view was given, strides {tuple(x.stride())})")
     if x.requires_grad and x.is_leaf and torch.is_grad_enabled():
-        _fail(ValueError, f"{name}: in-place rotation of a leaf tensor that requires grad; rotate a copy, or "
-                          f"use inplace=False")
+        raise ValueError(f"{name}: in-place rotation of a leaf tensor that requires grad; rotate a copy, or "
+                         f"use inplace=False")
 
 
 def _span(x: torch.Tensor) -> tuple:
@@ -131,11 +118,10 @@ _DISJOINT_MAX = 64
 
 
 def _same_stride_views_overlap(shape_q, shape_k, strides, delta) -> bool | None:
-    """Whether delta = sum c_j * stride_j with -(nk_j - 1) <= c_j <= nq_j - 1 for every dim: that is,
-    whether two views with these strides, whose first elements are delta apart, share an element.
-    A depth-first search over the dims, largest stride first, where each c_j is confined to the
-    values the smaller dims can still make up for (one or two per dim for a dense layout); None if
-    it takes too long to decide."""
+    """Whether two views with these strides, whose first elements are delta apart, share an element:
+    delta = sum c_j * stride_j with -(nk_j - 1) <= c_j <= nq_j - 1. A depth-first search over the dims,
+    largest stride first, each c_j confined to what the smaller dims can still make up for; None if it
+    takes too long to decide."""
     dims = sorted((abs(st), nq, nk) for st, nq, nk in zip(strides, shape_q, shape_k, strict=True)
                   if st != 0 and (nq > 1 or nk > 1))[::-1]
     reach = [0] * (len(dims) + 1)  # reach[j]: the most that dims j.. can add or take away
@@ -176,45 +162,44 @@ def check_disjoint(q: torch.Tensor, k: torch.Tensor) -> None:
     key = (q.shape, k.shape, q.stride(), k.stride(), delta)
     overlap = _DISJOINT.get(key)
     if overlap is None:
-        overlap = True if q.stride() != k.stride() else _same_stride_views_overlap(q.shape, k.shape, q.stride(),
-                                                                                   delta)
-        overlap = True if overlap is None else overlap
+        same = q.stride() == k.stride()  # other strides, or undecided (None): counted as sharing
+        overlap = not same or _same_stride_views_overlap(q.shape, k.shape, q.stride(), delta) is not False
         if len(_DISJOINT) >= _DISJOINT_MAX:
             _DISJOINT.clear()
         _DISJOINT[key] = overlap
     if overlap:
-        _fail(ValueError, "k: in-place rotation of q and k that share memory (or whose strides differ, so that "
-                          "they cannot be shown not to); pass disjoint tensors")
+        raise ValueError("k: in-place rotation of q and k that share memory (or whose strides differ, so that "
+                         "they cannot be shown not to); pass disjoint tensors")
 
 
 def check_pair(q, k, tensor_format: str) -> None:
     """q and k of one call: same tokens, head dim, dtype and device; head counts may differ."""
     if not isinstance(k, torch.Tensor):
-        _fail(TypeError, f"k: expected a torch.Tensor, got {type(k).__name__}")
+        raise TypeError(f"k: expected a torch.Tensor, got {type(k).__name__}")
     if not isinstance(q, torch.Tensor):
-        _fail(TypeError, f"q: expected a torch.Tensor, got {type(q).__name__}")
+        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
     if k.dtype != q.dtype:
-        _fail(TypeError, f"k: expected the dtype of q ({q.dtype}), got {k.dtype}")
+        raise TypeError(f"k: expected the dtype of q ({q.dtype}), got {k.dtype}")
     if k.device != q.device:
-        _fail(ValueError, f"k: expected the device of q ({q.device}), got {k.device}")
+        raise ValueError(f"k: expected the device of q ({q.device}), got {k.device}")
     if k.dim() != q.dim() or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
-        _fail(ValueError, f"k: expected the tokens and head dim of q (shape {tuple(q.shape)}, heads may differ), "
-                          f"got shape {tuple(k.shape)}")
+        raise ValueError(f"k: expected the tokens and head dim of q (shape {tuple(q.shape)}, heads may differ), "
+                         f"got shape {tuple(k.shape)}")
 
 
 def _check_index_tensor(name, x, t, t_name="t"):
     if not isinstance(x, torch.Tensor):
-        _fail(TypeError, f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INT_DTYPES:
-        _fail(TypeError, f"{name}: expected dtype int32 or int64, got {x.dtype}")
+        raise TypeError(f"{name}: expected dtype int32 or int64, got {x.dtype}")
     if x.dim() != 1:
-        _fail(ValueError, f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
     if x.device != t.device:
-        _fail(ValueError, f"{name}: expected the device of {t_name} ({t.device}), got {x.device}")
+        raise ValueError(f"{name}: expected the device of {t_name} ({t.device}), got {x.device}")
 
 
 def _max_position(length: int, cp_size: int, cp_rank: int) -> int:
-    """Largest position a sequence of local length `length` reaches (SPEC.md section 3)."""
+    """Largest position a sequence of local length `length` reaches (docs/contract.md section 3)."""
     if cp_size == 1:
         return length - 1
     c = length // 2
@@ -227,10 +212,9 @@ _VALUE_CHECKS = [True]
 def set_value_checks(enabled: bool) -> None:
     """Turn the checks on the values of `cu_seqlens`/`start_positions` on or off (default on).
 
-    They cost one device-to-host copy for each new (or modified) index tensor on the GPU; tensors
-    made under `torch.inference_mode()` have no version counter and pay it on every call. With them
-    off, a position past the end of `freqs` is still never read: the kernel writes NaN into that
-    token's rotated channels instead.
+    They cost one device-to-host copy for each new (or modified) index tensor on the GPU, on every call
+    for inference tensors (no version counter). With them off, a position outside `freqs` is still never
+    read: the kernel writes NaN into that token's rotated channels instead.
     """
     _VALUE_CHECKS[0] = bool(enabled)
 
@@ -243,12 +227,9 @@ def skip_value_checks(index: torch.Tensor) -> bool:
     return index.is_cuda and capturing_on(index.get_device())
 
 
-# Index tensors whose values passed, by identity and version: every layer of a step (and q and k)
-# passes the same `cu_seqlens`/`start_positions`, and only the first call needs the device-to-host
-# copy. PyTorch bumps `_version` on every in-place write it performs, so a change it sees is
-# checked again; a write it does not see (through `.data`, DLPack, a custom kernel) is not, and
-# the kernel's range guard (NaN, never an out-of-bounds read) is what remains. Inference tensors
-# have no version counter and are checked on every call.
+# Index tensors whose values passed, by identity and version counter: every layer of a step (and q and
+# k) passes the same `cu_seqlens`/`start_positions`. A write PyTorch does not count (`.data`, DLPack, a
+# foreign kernel) is not checked again; the kernel's range guard remains.
 _PASSED: dict = {}
 _PASSED_MAX = 64
 
@@ -270,8 +251,8 @@ def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, 
     none while the same tensors are passed again unmodified)."""
     if cu_seqlens is None and start_positions is None:
         return
-    # Tensors that passed come first: asking whether a graph is being captured costs more than the
-    # lookup (BENCHMARKS.md, note 21), and a tensor that passed needs no copy, captured or not.
+    # Tensors that passed come first: the lookup is cheaper than asking whether a graph is being
+    # captured, and a tensor that passed needs no copy, captured or not.
     key = (id(start_positions), id(cu_seqlens), layout, tensor_format, cp_size, cp_rank)
     seen = _PASSED.get(key)
     if seen is not None and _still(seen[0], start_positions) and _still(seen[1], cu_seqlens):
@@ -292,49 +273,39 @@ def _check_position_values(layout: Layout, tensor_format, start_positions, cu_se
         cu = cu_seqlens.to(torch.int64)
         lengths = cu[1:] - cu[:-1]
         local = lengths // cp_size
-        flags = [
-            cu[0] != 0,
-            (lengths < 0).any(),
-            cu[-1] != s * cp_size,
-            ((lengths % (2 * cp_size) != 0).any() if cp_size > 1
-             else torch.zeros((), dtype=torch.bool, device=cu.device)),
-        ]
-        if start_positions is not None:
-            sp = start_positions.to(torch.int64)
-            nonempty = local > 0
-            flags.append((nonempty & (sp < 0)).any())
-        else:
-            sp = 0
-            flags.append(torch.zeros((), dtype=torch.bool, device=cu.device))
+        no = torch.zeros((), dtype=torch.bool, device=cu.device)
+        sp = start_positions.to(torch.int64) if start_positions is not None else 0
+        flags = [cu[0] != 0, (lengths < 0).any(), cu[-1] != s * cp_size,
+                 (lengths % (2 * cp_size) != 0).any() if cp_size > 1 else no,
+                 ((local > 0) & (sp < 0)).any() if start_positions is not None else no]
         # the context-parallel position of a sequence's last local token, then its start (section 3)
-        last = ((2 * cp_size - cp_rank) * (local // 2) - 1 if cp_size > 1 else local - 1) + sp
-        last = torch.where(local > 0, last, -1)  # an empty sequence has no position
+        last = torch.where(local > 0, _max_position(local, cp_size, cp_rank) + sp, -1)  # empty: no position
         # no token at all (no sequence, or only empty ones): no position, so any s2 >= 0 is enough
         top = last.max() if last.numel() else torch.full((), -1, dtype=torch.int64, device=cu.device)
         values = torch.stack([f.to(torch.int64) for f in flags] + [top.to(torch.int64)]).tolist()
         bad_start, bad_order, bad_total, bad_cp, bad_neg, max_pos = values
         if bad_start:
-            _fail(ValueError, "cu_seqlens: must start at 0")
+            raise ValueError("cu_seqlens: must start at 0")
         if bad_order:
-            _fail(ValueError, "cu_seqlens: must be non-decreasing")
+            raise ValueError("cu_seqlens: must be non-decreasing")
         if bad_total:
-            _fail(ValueError, f"cu_seqlens: last value must equal t.shape[0] * cp_size = {s * cp_size}, "
-                              f"got {int(cu_seqlens[-1])}")
+            raise ValueError(f"cu_seqlens: last value must equal t.shape[0] * cp_size = {s * cp_size}, "
+                             f"got {int(cu_seqlens[-1])}")
         if bad_cp:
-            _fail(ValueError, f"cu_seqlens: with cp_size = {cp_size} every sequence length must be a "
-                              f"multiple of 2 * cp_size = {2 * cp_size}")
+            raise ValueError(f"cu_seqlens: with cp_size = {cp_size} every sequence length must be a "
+                             f"multiple of 2 * cp_size = {2 * cp_size}")
         if bad_neg:
-            _fail(ValueError, "start_positions: must be >= 0")
+            raise ValueError("start_positions: must be >= 0")
         if max_pos >= s2:
-            _fail(ValueError, f"freqs: too short: positions reach {max_pos} but freqs has s2 = {s2} rows")
+            raise ValueError(f"freqs: too short: positions reach {max_pos} but freqs has s2 = {s2} rows")
     elif start_positions is not None and s > 0 and layout.b > 0:
         lo, hi = torch.stack(torch.aminmax(start_positions)).tolist()
         if lo < 0:
-            _fail(ValueError, f"start_positions: must be >= 0, got {lo}")
+            raise ValueError(f"start_positions: must be >= 0, got {lo}")
         top = hi + _max_position(s, cp_size, cp_rank)
         if top >= s2:
-            _fail(ValueError, f"freqs: too short: start_positions reach {hi}, so positions reach "
-                              f"{top}, but freqs has s2 = {s2} rows")
+            raise ValueError(f"freqs: too short: start_positions reach {hi}, so positions reach "
+                             f"{top}, but freqs has s2 = {s2} rows")
 
 
 class Call:

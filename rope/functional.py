@@ -9,42 +9,39 @@ from ._validate import check_disjoint, check_inplace, check_pair, check_position
 
 
 class _RoPEFunction(torch.autograd.Function):
-    """Autograd for one tensor. Everything but `t` comes as one `state` tuple (call, angles,
-    start_positions, token_index, pos_table, inplace): autograd inspects every argument of `apply`,
-    and none of these needs a gradient (`freqs` gets none, as in TransformerEngine)."""
+    """Autograd for t, or for q and k in one launch. Everything else comes as one `state` tuple (call,
+    angles, start_positions, token_index, pos_table, inplace): autograd inspects every argument of
+    `apply`, and none of these needs a gradient (`freqs` gets none, as in TransformerEngine)."""
 
     @staticmethod
-    def forward(ctx, t, state):
-        call, angles, start_positions, token_index, pos_table, inplace = state
+    def forward(ctx, state, *ts):
         ctx.state = state
-        out = rotate(call, t, angles, start_positions, token_index, False, inplace, pos_table)
-        if inplace:
-            ctx.mark_dirty(t)
-        return out
+        outs = _rotate_all(state, ts, False)
+        if state[5]:
+            ctx.mark_dirty(*ts)
+        return outs
 
     @staticmethod
-    def backward(ctx, grad_out):
-        call, angles, start_positions, token_index, pos_table, _ = ctx.state
-        return rotate(call, grad_out, angles, start_positions, token_index, True, False, pos_table), None
+    def backward(ctx, *grads):
+        return None, *_rotate_all(ctx.state, grads, True)
 
 
-class _RoPEQKFunction(torch.autograd.Function):
-    """Autograd for q and k in one launch; `state` as for `_RoPEFunction`."""
+def _rotate_all(state, ts, backward):
+    """Rotate ts (t, or q and k), or their gradients, with the call's `state`; returns a tuple."""
+    call, angles, start_positions, token_index, pos_table, inplace = state
+    if len(ts) == 1:
+        return (rotate(call, ts[0], angles, start_positions, token_index, backward, inplace and not backward,
+                       pos_table),)
+    return rotate_qk(call, *ts, angles, start_positions, token_index, backward, inplace and not backward, pos_table)
 
-    @staticmethod
-    def forward(ctx, q, k, state):
-        call, angles, start_positions, token_index, pos_table, inplace = state
-        ctx.state = state
-        qo, ko = rotate_qk(call, q, k, angles, start_positions, token_index, False, inplace, pos_table)
-        if inplace:
-            ctx.mark_dirty(q, k)
-        return qo, ko
 
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
-        call, angles, start_positions, token_index, pos_table, _ = ctx.state
-        gq, gk = rotate_qk(call, grad_q, grad_k, angles, start_positions, token_index, True, False, pos_table)
-        return gq, gk, None
+def _state(call, freqs, start_positions, cu_seqlens, inplace):
+    """The value checks of a checked call, then what its launches read (`_RoPEFunction`'s state)."""
+    if call.checks_values:
+        check_positions(call.layout, call.tensor_format, start_positions, cu_seqlens, call.cp_size, call.cp_rank)
+    angles = angles_for(call, freqs)
+    token_index, pos_table = token_index_for(call, cu_seqlens)
+    return call, angles, start_positions, token_index, pos_table, inplace
 
 
 def _use_reference(fused, t) -> bool:
@@ -53,7 +50,7 @@ def _use_reference(fused, t) -> bool:
 
 def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                          fused=True, cu_seqlens=None, cp_size=1, cp_rank=0, *, inplace=False):
-    """Apply rotary position embedding to `t` (TransformerEngine 2.x semantics; see SPEC.md).
+    """Apply rotary position embedding to `t` (TransformerEngine 2.x semantics; docs/contract.md).
 
     t: [s, b, h, d] (sbhd), [b, s, h, d] (bshd) or [t, h, d] (thd), any strides.
     freqs: angles [s2, 1, 1, d2], d2 even and <= d; read as float32.
@@ -80,13 +77,10 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     call = checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
     if inplace:
         check_inplace("t", t)
-    if call.checks_values:
-        check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
-    angles = angles_for(call, freqs)
-    token_index, pos_table = token_index_for(call, cu_seqlens)
+    state = _state(call, freqs, start_positions, cu_seqlens, inplace)
     if t.requires_grad and torch.is_grad_enabled():
-        return _RoPEFunction.apply(t, (call, angles, start_positions, token_index, pos_table, inplace))
-    return rotate(call, t, angles, start_positions, token_index, False, inplace, pos_table)
+        return _RoPEFunction.apply(state, t)[0]
+    return _rotate_all(state, (t,), False)[0]
 
 
 def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -98,22 +92,18 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
     backward computes both gradients in one launch too. Same semantics as two calls of
     `apply_rotary_pos_emb`; CPU tensors without the interpreter use the reference twice.
     """
+    check_pair(q, k, tensor_format)
     if _use_reference(True, q) or torch.compiler.is_compiling():
-        check_pair(q, k, tensor_format)
         kw = dict(tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved,
                   cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, inplace=inplace)
         return apply_rotary_pos_emb(q, freqs, **kw), apply_rotary_pos_emb(k, freqs, **kw)
-    check_pair(q, k, tensor_format)
     call = checked_call(q, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "q")
     checked_call(k, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "k")
     if inplace:
         check_inplace("q", q)
         check_inplace("k", k)
         check_disjoint(q, k)
-    if call.checks_values:
-        check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
-    angles = angles_for(call, freqs)
-    token_index, pos_table = token_index_for(call, cu_seqlens)
+    state = _state(call, freqs, start_positions, cu_seqlens, inplace)
     if (q.requires_grad or k.requires_grad) and torch.is_grad_enabled():
-        return _RoPEQKFunction.apply(q, k, (call, angles, start_positions, token_index, pos_table, inplace))
-    return rotate_qk(call, q, k, angles, start_positions, token_index, False, inplace, pos_table)
+        return _RoPEFunction.apply(state, q, k)
+    return _rotate_all(state, (q, k), False)

@@ -1,12 +1,10 @@
 """Pure-PyTorch rotary position embedding: the oracle for the Triton kernels.
 
-It follows SPEC.md section 3 literally: positions are built per token, angles are gathered per
-token, and every channel i < d2 is combined with its partner pi(i) and sign sigma(i). The backward
-comes from autograd through these same operations, so it is the exact adjoint by construction.
-
-Precision: angles are read as float32 (float64 stays float64), arithmetic runs in float32 for
-float32/float16/bfloat16 inputs and in float64 for float64 inputs, and the result is rounded once
-to t.dtype. Run it on `t.double()` with float32 angles to get the float64 oracle.
+It follows docs/contract.md section 3 literally: positions per token, angles gathered per token, every
+channel i < d2 combined with its partner pi(i) and sign sigma(i); the backward is autograd through the
+same operations, the exact adjoint by construction. Angles are read as float32 (float64 stays float64),
+arithmetic runs in float32 (float64 for float64 inputs), and the result is rounded once to t.dtype: on
+`t.double()` with float32 angles it is the float64 oracle.
 """
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from ._validate import check_positions, check_static
 
 
 def partner_and_sign(rot_dim: int, interleaved: bool, device=None):
-    """Index of each channel's partner and the sign sigma(i) of the partner's term (SPEC.md section 3)."""
+    """Index of each channel's partner and the sign sigma(i) of the partner's term (docs/contract.md section 3)."""
     i = torch.arange(rot_dim, device=device)
     if interleaved:
         partner = i ^ 1

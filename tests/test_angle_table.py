@@ -158,7 +158,7 @@ def test_start_positions_read_the_table(tensor_format, builds):
 @pytest.mark.parametrize("tensor_format", ["sbhd", "thd"])
 def test_no_table_for_interleaved(tensor_format, builds):
     """Interleaved evaluates sin/cos in the kernel: its tile splits even and odd channels in
-    registers, and a table tile for it is no faster (docs/design.md)."""
+    registers, and a table tile for it measured no faster (docs/design.md)."""
     t, freqs, g, gen = _case(9, tensor_format=tensor_format)
     kw = dict(tensor_format=tensor_format, interleaved=True)
     if tensor_format == "thd":

@@ -22,7 +22,7 @@ from .numerics import assert_within_rounding
 
 
 def _spec_positions(lengths, cp_size, cp_rank):
-    """docs/contract.md, section 3, token by token: offset j in the local part of its sequence, and under
+    """docs/contract.md section 3, token by token: offset j in the local part of its sequence, and under
     context parallelism the two chunks cp_rank and 2 * cp_size - 1 - cp_rank of c = L / 2 each."""
     out = []
     for length in lengths:

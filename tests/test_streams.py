@@ -1,4 +1,4 @@
-"""Concurrency on a GPU: several streams, threads, and CUDA-graph replay (docs/design.md, "Tables").
+"""Concurrency on a GPU: several streams, threads, and CUDA-graph replay (docs/design.md, "The tables").
 
 The cos/sin table of a `freqs` tensor and the position table of a `cu_seqlens` tensor are built on
 the stream of the first call that needs them and cached. Every test here makes another stream read
