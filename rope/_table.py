@@ -135,11 +135,10 @@ def _build_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_r
     tokens = torch.arange(n_tokens, dtype=torch.int64, device=cu.device)
     seq = (torch.searchsorted(cu, tokens, right=True) - 1).clamp_(0, n_seqs)
     start = cu[seq]
-    j = tokens - start
-    if cp_size == 1:
-        return j
-    c = (cu[(seq + 1).clamp_(max=n_seqs)] - start) // 2
-    pos = torch.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
+    pos = tokens - start
+    if cp_size > 1:
+        c = (cu[(seq + 1).clamp_(max=n_seqs)] - start) // 2
+        pos = torch.where(pos < c, pos + cp_rank * c, pos - c + (2 * cp_size - 1 - cp_rank) * c)
     # A token past the last sequence (value checks off) has no position: NaN in the kernel.
     return torch.where(seq < n_seqs, pos, -1)
 

@@ -250,16 +250,17 @@ def test_value_checks_off_never_reads_past_freqs():
     torch.testing.assert_close(out[:, :1], ok)
 
 
-@pytest.mark.parametrize("start", [False, True])
-def test_value_checks_off_tokens_past_the_last_sequence(start):
+@pytest.mark.parametrize("start,many", [(False, False), (True, False), (False, True)])
+def test_value_checks_off_tokens_past_the_last_sequence(start, many):
     """With value checks off, thd tokens past the end of cu_seqlens (a total short of the tokens)
     belong to no sequence: their rotated channels are NaN, start_positions is never read past its
-    end, and the tokens inside sequences stay exact. Sequences are few, so programs search
-    cu_seqlens (the position table of many sequences gives NaN the same way)."""
+    end, and the tokens inside sequences stay exact. With few sequences programs search cu_seqlens;
+    with many (and no start_positions) they read the position table."""
     gen = torch.Generator().manual_seed(6)
     t = make_t("thd", 7, 1, 2, 8, torch.float32, gen)
     freqs = make_freqs(8, 8, gen)
-    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)  # 5 of 7 tokens
+    bounds = [0, 2, 5] + ([5] * 40 if many else [])  # 5 of 7 tokens; many: 40 more, empty, sequences
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
     # a view whose next element (start_positions[2], past its end) is a valid start of 0
     sp = torch.tensor([1, 2, 0], device=DEVICE)[:2] if start else None
     with pytest.raises(ValueError, match="cu_seqlens"):
