@@ -123,9 +123,11 @@ def _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank
         if USE_CP:
             c = length // 2
             pos = tl.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
-        if HAS_START:
-            in_range = seq_idx < n_seqs if IS_THD else seq_idx >= 0
-            pos = pos + tl.load(start_ptr + seq_idx, mask=in_range, other=0, eviction_policy="evict_last").to(tl.int64)
+        if HAS_START and IS_THD:  # a token past the last sequence must not read start_positions[n]
+            pos = pos + tl.load(start_ptr + seq_idx, mask=seq_idx < n_seqs, other=0,
+                                eviction_policy="evict_last").to(tl.int64)
+        elif HAS_START:
+            pos = pos + tl.load(start_ptr + seq_idx, eviction_policy="evict_last").to(tl.int64)
         if IS_THD:
             # Past the last sequence (cu_seqlens ending short, reachable only with value checks
             # off): no position, so the rotated channels become NaN, as with the position table.

@@ -2,6 +2,7 @@
 
     python -m tests.ptx                 # sm_90, a few representative variants
     python -m tests.ptx --arch 80
+    python -m tests.ptx --compare old_kernel.py   # same PTX as another version of rope/_kernel.py?
 
 What it answers without device time: are the global loads and stores 16 bytes wide
 (`ld.global.v4.b32`), how many sin/cos each thread evaluates (inlined libdevice `__nv_sinf`
@@ -73,13 +74,48 @@ VARIANTS = [
     ("table, half-split bf16 d128", dict(table=True, block_r=8, num_warps=1, split=True)),
     ("table, thd bf16 d128", dict(table=True, thd=True, block_r=8, num_warps=1, split=True)),
     ("table, thd positions bf16", dict(table=True, thd=True, pos_table=True, block_r=8, num_warps=1, split=True)),
+    ("table, fp32 d256 backward", dict(table=True, dtype="fp32", d=256, d2=256, backward=True, split=True)),
+    ("interleaved partial backward", dict(interleaved=True, d2=64, backward=True, block_r=16, num_warps=4)),
+    ("table, thd start + cp", dict(table=True, thd=True, start=True, cp=True, split=True)),
+    ("table, start in place", dict(table=True, start=True, inplace=True)),
+    ("fp16 d80 partial, split", dict(dtype="fp16", d=80, d2=64, split=True)),
 ]
+
+
+def _code(ptx: str) -> str:
+    """The instructions of a PTX file, without comments, debug sections, line records and labels."""
+    ptx = re.sub(r"\.section\s+\.debug.*", "", re.sub(r"//.*", "", ptx), flags=re.S)
+    lines = (line.strip() for line in ptx.splitlines())
+    return "\n".join(line for line in lines if line and not line.startswith((".loc", ".file", "$L__tmp")))
+
+
+def compare(old_path: str, arch: int = 90) -> int:
+    """Compile every variant with the kernels of `old_path` (a copy of rope/_kernel.py, e.g. from
+    `git show REV:rope/_kernel.py`) and with the current ones; print which differ, return how many.
+    Identical PTX means a refactoring changed nothing the GPU runs, for these variants."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rope_kernel_old", old_path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    differ = 0
+    for kernel, old_kernel in ((rope_kernel, old.rope_kernel), (rope_qk_kernel, old.rope_qk_kernel)):
+        for name, kw in VARIANTS:
+            new_code = _code(compile_variant(kernel, arch, **kw).asm["ptx"]).replace(kernel.fn.__name__, "K")
+            old_code = _code(compile_variant(old_kernel, arch, **kw).asm["ptx"]).replace(kernel.fn.__name__, "K")
+            same = new_code == old_code
+            differ += not same
+            print(f"{kernel.fn.__name__:15s} {name:28s} {'identical' if same else 'DIFFERENT'}")
+    return differ
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--compare", metavar="OLD_KERNEL_PY")
     args = parser.parse_args(argv)
+    if args.compare:
+        raise SystemExit(1 if compare(args.compare, args.arch) else 0)
     for kernel in (rope_kernel, rope_qk_kernel):
         for name, kw in VARIANTS:
             print(f"{kernel.fn.__name__:15s} {name:24s} {summarize(compile_variant(kernel, args.arch, **kw))}")
