@@ -100,20 +100,33 @@ def pytest_cmdline_main(config):
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--rope-impl", default="rope:apply_rotary_pos_emb", metavar="MODULE:FUNCTION",
-        help="callable with TransformerEngine's apply_rotary_pos_emb signature to run the conformance "
-             "tests against (default: rope:apply_rotary_pos_emb)")
+        "--rope-impl", default="rope:apply_rotary_pos_emb", metavar="SPEC",
+        help="implementation to run the conformance tests against: te, flash, liger, hf, vllm or rope (named), "
+             "module:callable (TransformerEngine's apply_rotary_pos_emb signature), or CONVENTION:module:callable "
+             "for a callable in one of the named conventions (tests/adapters; default: rope:apply_rotary_pos_emb)")
+    parser.addoption(
+        "--conformance-report", default=None, metavar="PATH",
+        help="write the implementation x property table (pass / fail with the shrunk counterexample / not "
+             "supported with the reason) to PATH: Markdown, or JSON when PATH ends in .json")
 
 
 def pytest_configure(config):
-    """A --rope-impl that cannot be loaded stops the run with one short line, before collection."""
-    from tests.target import load_target
+    """A --rope-impl that cannot be loaded stops the run with one short line, before collection: a usage error,
+    or, for a named implementation that is not installed, a skipped run (exit status 0) naming how to install it."""
+    from tests.target import Unavailable, load_target
 
     spec = config.getoption("--rope-impl")
     try:
-        load_target(spec)
+        target = load_target(spec)
+    except Unavailable as e:
+        pytest.exit(f"SKIPPED --rope-impl {spec}: {e}", returncode=0)
     except Exception as e:  # noqa: BLE001 - any failure to import or resolve is a usage error
         raise pytest.UsageError(f"--rope-impl {spec}: {type(e).__name__}: {e}") from None
+    path = config.getoption("--conformance-report")
+    if path and not hasattr(config, "workerinput"):  # the controller collects every worker's reports
+        from tests.adapters.report import ConformanceReport
+
+        config.pluginmanager.register(ConformanceReport(path, target, _PROFILE), "rope-conformance-report")
 
 
 def pytest_report_header(config):
@@ -127,6 +140,27 @@ def target(request):
     return load_target(request.config.getoption("--rope-impl"))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Calls outside the target's capabilities are rejected examples (tests/target.py); a property whose every
+    example was rejected (Hypothesis: Unsatisfiable) is skipped with the reasons, not failed. The reasons and
+    counts go into the report (user property rope_narrowed)."""
+    from hypothesis.errors import Unsatisfiable
+
+    from tests.target import REJECTED
+
+    REJECTED.clear()
+    try:
+        return (yield)
+    except Unsatisfiable:
+        if not REJECTED:
+            raise
+        pytest.skip("not supported: " + "; ".join(REJECTED))
+    finally:
+        if REJECTED:
+            item.user_properties.append(("rope_narrowed", dict(REJECTED)))
+
+
 # The Hypothesis properties are the longest tests by far (1-3 minutes each in the GPU profile,
 # about as long as all the others together on 16 workers). Collected first, they start at once on
 # separate pytest-xdist workers; in file order they formed a serial tail on a few workers (an
@@ -136,11 +170,23 @@ _LONGEST_FIRST = ("test_properties.py", "test_invariants.py")
 
 def pytest_collection_modifyitems(config, items):
     """Longest tests first; a foreign target skips the tests of this package's own internals
-    (`ours_only`, test_core)."""
+    (`ours_only`, test_core), and the property tests that need a capability it lacks (tests/adapters).
+    Every test of the target is tagged with its property name (user property rope_property) for the
+    conformance report."""
+    from tests.adapters.report import property_name
     from tests.target import load_target
 
     items.sort(key=lambda item: item.path.name not in _LONGEST_FIRST)  # stable: file order otherwise
-    if load_target(config.getoption("--rope-impl")).is_ours:
+    target = load_target(config.getoption("--rope-impl"))
+    for item in items:
+        name = property_name(item)
+        if name is None:
+            continue
+        item.user_properties.append(("rope_property", name))
+        why = target.caps.missing_for(name)
+        if why:
+            item.add_marker(pytest.mark.skip(reason=f"not supported by {target.name}: {why}"))
+    if target.is_ours:
         return
     skip = pytest.mark.skip(reason="concerns the rope package itself, not the --rope-impl target")
     for item in items:

@@ -1,44 +1,70 @@
-"""The implementation under test, chosen with `pytest --rope-impl module:function`.
+"""The implementation under test, chosen with `pytest --rope-impl SPEC` (tests/adapters: the registry).
 
-Any callable with TransformerEngine's signature works:
+SPEC is a named implementation (te, flash, liger, hf, vllm, rope), `module:callable` in TransformerEngine's
+convention, or `CONVENTION:module:callable` for a callable in another library's convention, which an adapter
+maps TE's calls onto. A TE-convention callable is called as it is, with TransformerEngine's signature:
     apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                          fused=..., cu_seqlens=None, cp_size=1, cp_rank=0)
 The suite passes `t` and `freqs` positionally and only the keyword arguments a case needs, so a
 version without `start_positions` still runs the cases that do not use it. `fused` is never passed:
-wrap the function to pin it (TE's default is fused=False, its less accurate unfused path).
+wrap the function to pin it (TE's default is fused=False, its less accurate unfused path); the named
+`te` does.
+
+A call outside the target's capabilities (tests/adapters: Capabilities) is no verdict: inside a Hypothesis test
+the example is rejected (`hypothesis.reject`, counted per reason in REJECTED), elsewhere the test is skipped.
 """
 from __future__ import annotations
 
-import importlib
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-DEFAULT = "rope:apply_rotary_pos_emb"
-OURS = {"rope:apply_rotary_pos_emb", "rope.functional:apply_rotary_pos_emb"}
+from tests.adapters import DEFAULT, Capabilities, Unavailable, load  # noqa: F401 - Unavailable re-exported
+
+OURS = {"rope", "rope:apply_rotary_pos_emb", "rope.functional:apply_rotary_pos_emb"}
+REJECTED: Counter = Counter()  # reason -> calls rejected in the current test (conftest clears it per test)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Target:
     name: str
     fn: Callable
+    caps: Capabilities = field(default_factory=Capabilities)
+    convention: str = "te"
 
     @property
     def is_ours(self) -> bool:
         """True when the target is this package's fused entry point (tests of its internals apply)."""
         return self.name in OURS
 
+    def __repr__(self):  # short: Hypothesis prints it in every failing example
+        return f"Target({self.name!r})"
+
+    def _repr_pretty_(self, printer, cycle):  # Hypothesis' printer would otherwise list the dataclass fields
+        printer.text(repr(self))
+
     def __call__(self, *args, **kwargs):
+        if not self.caps.full:
+            why = self.caps.lacks(args[0] if args else None, args[1] if len(args) > 1 else None, kwargs)
+            if why is not None:
+                _outside(why)
         return self.fn(*args, **kwargs)
 
 
+def _outside(why: str):
+    from hypothesis.control import currently_in_test_context
+
+    REJECTED[why] += 1
+    if currently_in_test_context():
+        from hypothesis import reject
+
+        reject()
+    import pytest
+
+    pytest.skip(f"not supported: {why}")
+
+
 def load_target(spec: str) -> Target:
-    """`package.module:attr.attr` -> Target."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--rope-impl: expected 'module:function', got {spec!r}")
-    obj = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"--rope-impl: {spec!r} is not callable")
-    return Target(spec, obj)
+    """--rope-impl value -> Target. Raises Unavailable for a named implementation that is not installed."""
+    loaded = load(spec)
+    return Target(spec, loaded.fn, loaded.caps, loaded.convention)

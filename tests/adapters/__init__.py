@@ -1,0 +1,277 @@
+"""Any rotary-embedding implementation behind one interface: the suite's, TransformerEngine's (TE).
+
+The suite calls its target with TE's signature
+    fn(t, freqs, tensor_format=..., start_positions=..., interleaved=..., cu_seqlens=..., cp_size=..., cp_rank=...)
+with angles `freqs` [s2, 1, 1, d2] (docs/contract.md). An adapter maps such a call onto another convention
+(cos/sin tables, position ids, in-place writes, other layouts) and declares what that convention can express
+(`Capabilities`); a call outside them is not a verdict: the example is rejected (Hypothesis) or the test skipped,
+with the reason.
+
+`--rope-impl` takes
+    te | flash | liger | hf | vllm | rope       a named implementation (the library's own function)
+    module:callable                             a callable in TE's convention (as always)
+    CONVENTION:module:callable                  a callable in one of the conventions above, e.g.
+                                                hf:mypkg.rope:apply_rotary_pos_emb
+One file per convention (te.py, flash.py, liger.py, hf.py, vllm.py) holds its conversion, capabilities, the
+named implementation's import path and how to install it. A named implementation that is not installed raises
+`Unavailable` (one line, with the install command); conftest.py turns it into a skipped run.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Optional
+
+import torch
+
+FORMATS = ("sbhd", "bshd", "thd")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CONVENTIONS = ("te", "flash", "liger", "hf", "vllm")
+NAMES = CONVENTIONS + ("rope",)
+DEFAULT = "rope:apply_rotary_pos_emb"
+
+
+class Unavailable(Exception):
+    """A named implementation that is not installed here: the message is one line naming how to install it."""
+
+
+class SpecError(ValueError):
+    """A --rope-impl value that names nothing the registry knows."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Capabilities
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a convention can express. A string field says how ("native", or what the adapter does); empty: no.
+
+    dtypes: the dtypes checked. Conventions that take cos/sin in t's dtype round them before the math, so a 16-bit
+    result is not within one rounding of the float64 reference (docs/contract.md section 4) by design: they are
+    checked in float32 only, with `dtypes_why` as the reason.
+    elementwise_freqs: False where the convention takes cos/sin of half width (one angle per pair), so only angles
+    whose pair halves are equal (RotaryPositionEmbedding's, the strategies' "rotation" kind) are expressible.
+    in_place: the convention writes its inputs; the adapter passes copies ("input not modified" still checks the
+    caller's t, freqs and upstream gradient, which the backward must not write either).
+    """
+
+    formats: tuple = FORMATS
+    interleaved: bool = True
+    partial: str = "native"
+    start_positions: str = "native"
+    context_parallel: str = "native"
+    dtypes: tuple = DTYPES
+    dtypes_why: str = ""
+    backward: str = "native"
+    in_place: bool = False
+    elementwise_freqs: bool = True
+    bad_input: str = "native"
+    notes: str = ""
+
+    @property
+    def full(self) -> bool:
+        """Everything TE's convention expresses (the fast path: nothing to check per call)."""
+        return all(getattr(self, f.name) == f.default for f in fields(self) if f.name not in ("notes", "backward"))
+
+    def lacks(self, t, freqs, kw: dict) -> Optional[str]:
+        """Why this call is outside the capabilities, or None. Malformed calls (bad-input rules) pass through."""
+        if self.full:
+            return None
+        try:
+            fmt = kw.get("tensor_format", "sbhd")
+            if fmt not in self.formats:
+                return f"no {fmt} format"
+            interleaved = bool(kw.get("interleaved", False))
+            if interleaved and not self.interleaved:
+                return "no interleaved (GPT-J) pairs"
+            if kw.get("start_positions") is not None and not self.start_positions:
+                return "no start_positions (offsets)"
+            if kw.get("cp_size", 1) != 1 and not self.context_parallel:
+                return "no context parallelism"
+            if t.dtype not in self.dtypes:
+                return f"{str(t.dtype).replace('torch.', '')} not checked: {self.dtypes_why}"
+            if freqs.shape[-1] < t.shape[-1] and not self.partial:
+                return "no partial rotary (d2 < d)"
+            if not self.elementwise_freqs and not equal_halves(freqs, interleaved):
+                return "angles must be equal within each pair (cos/sin of half width)"
+        except Exception:  # noqa: BLE001 - a malformed call: the implementation's own answer is what counts
+            return None
+        return None
+
+    def missing_for(self, prop: str) -> Optional[str]:
+        """Why a whole property test does not apply to this convention, or None (see NEEDS)."""
+        for prefix, need in NEEDS.items():
+            if prop == prefix or prop.startswith(prefix + ":") or prop.startswith(prefix + "["):
+                return need(self)
+        return None
+
+    def table(self) -> dict:
+        """Human-readable cells for docs and reports."""
+        def yes(v):
+            return v if isinstance(v, str) and v else ("yes" if v is True else "no")
+
+        return {
+            "formats": ", ".join(self.formats),
+            "interleaved": yes(self.interleaved),
+            "partial rotary": yes(self.partial),
+            "start positions": yes(self.start_positions),
+            "context parallel": yes(self.context_parallel),
+            "dtypes": ", ".join(str(d).replace("torch.", "") for d in self.dtypes),
+            "backward": self.backward,
+            "in place": "yes (adapter passes copies)" if self.in_place else "no",
+            "angles": "any (elementwise)" if self.elementwise_freqs else "equal pair halves only",
+            "bad-input errors": yes(self.bad_input),
+        }
+
+
+def _need(flag: str, reason: str):
+    return lambda caps: None if getattr(caps, flag) else reason
+
+
+# Property tests (names as tests/adapters/report.py derives them) that need a capability as a whole.
+NEEDS: dict[str, Callable] = {
+    "pass_through_bitwise": _need("partial", "no partial rotary"),
+    "formats_agree": lambda c: None if set(c.formats) == set(FORMATS) else
+    f"compares sbhd, bshd and thd; has {', '.join(c.formats)}",
+    "cp_shards_reassemble": _need("context_parallel", "no context parallelism"),
+    "relative_position": _need("start_positions", "no start_positions (offsets)"),
+    "interleaved_is_permuted_half_split": _need("interleaved", "no interleaved (GPT-J) pairs"),
+    "bad_input": lambda c: None if c.bad_input else "no argument checks of TE's kind (ValueError/TypeError)",
+    # the distributed test runs fixed cases with every feature and random angles in all three dtypes
+    "context_parallel_matches_unsharded": lambda c: None if c.full else
+    "its fixed cases use every feature of TE's convention",
+}
+
+
+def equal_halves(freqs: torch.Tensor, interleaved: bool) -> bool:
+    """Whether every pair (i, pi(i)) has one angle: cat(theta, theta), or theta repeated pairwise."""
+    if interleaved:
+        return bool(torch.equal(freqs[..., 0::2], freqs[..., 1::2]))
+    h = freqs.shape[-1] // 2
+    return bool(torch.equal(freqs[..., :h], freqs[..., h:]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions (docs/contract.md section 3), for conventions that take cos/sin per token
+# ----------------------------------------------------------------------------------------------
+
+def token_positions(t_shape, tensor_format, start_positions=None, cu_seqlens=None, cp_size=1, cp_rank=0,
+                    device=None) -> torch.Tensor:
+    """int64 positions: [b, s] for sbhd/bshd (batch-major whatever the format), [T] for thd.
+
+    Written from the contract, independently of the package under test: position j of a local sequence of L
+    tokens, mapped by the dual-chunk layout when cp_size > 1, then shifted by start_positions[sequence].
+    """
+    if tensor_format == "thd":
+        T = t_shape[0]
+        local = cu_seqlens.detach().to("cpu", torch.int64) // cp_size
+        x = torch.arange(T, dtype=torch.int64)
+        seq = torch.searchsorted(local, x, right=True) - 1  # the last sequence starting at or before x
+        j = x - local[seq]
+        length = local[seq + 1] - local[seq]
+    else:
+        s, b = (t_shape[0], t_shape[1]) if tensor_format == "sbhd" else (t_shape[1], t_shape[0])
+        j = torch.arange(s, dtype=torch.int64)[None, :].expand(b, s)
+        seq = torch.arange(b, dtype=torch.int64)[:, None].expand(b, s)
+        length = torch.full_like(j, s)
+    if cp_size > 1:
+        c = length // 2
+        j = torch.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
+    if start_positions is not None:
+        j = j + start_positions.detach().to("cpu", torch.int64)[seq]
+    return j.contiguous().to(device)
+
+
+def angles(freqs: torch.Tensor) -> torch.Tensor:
+    """[s2, d2] float32 angles out of TE's [s2, 1, 1, d2]."""
+    return freqs[:, 0, 0, :].float()
+
+
+def half_angles(freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """[s2, d2/2]: one angle per pair (the first of each pair), for half-width cos/sin tables."""
+    f = angles(freqs)
+    return f[:, 0::2] if interleaved else f[:, : f.shape[-1] // 2]
+
+
+def local_lengths(cu_seqlens: torch.Tensor, cp_size: int = 1) -> list:
+    cu = [int(v) // cp_size for v in cu_seqlens.detach().cpu().tolist()]
+    return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry
+# ----------------------------------------------------------------------------------------------
+
+class Parsed(NamedTuple):
+    convention: str  # one of CONVENTIONS
+    callable_spec: Optional[str]  # "module:attr"; None for a named implementation
+    named: Optional[str]  # te | flash | liger | hf | vllm | rope, or None
+
+
+def parse(spec: str) -> Parsed:
+    """--rope-impl value -> (convention, module:callable or None, name or None); no import yet."""
+    spec = (spec or "").strip()
+    if spec in NAMES:
+        return Parsed("te" if spec == "rope" else spec, None, spec)
+    parts = spec.split(":")
+    if len(parts) == 2 and all(parts):
+        return Parsed("te", spec, None)
+    if len(parts) == 3 and all(parts):
+        if parts[0] not in CONVENTIONS:
+            raise SpecError(f"unknown convention {parts[0]!r} in {spec!r}; conventions: {', '.join(CONVENTIONS)}")
+        return Parsed(parts[0], f"{parts[1]}:{parts[2]}", None)
+    raise SpecError(f"expected one of {', '.join(NAMES)}, 'module:callable' (TE's convention) or "
+                    f"'CONVENTION:module:callable', got {spec!r}")
+
+
+def import_callable(spec: str) -> Callable:
+    """`package.module:attr.attr` -> the object; ImportError/AttributeError name what is missing."""
+    module_name, _, attr = spec.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise AttributeError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise TypeError(f"{spec!r} is not callable")
+    return obj
+
+
+def convention_module(name: str):
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+class Loaded(NamedTuple):
+    fn: Callable  # TE's signature
+    caps: Capabilities
+    convention: str
+    raw: Callable  # the implementation itself
+
+
+def load(spec: str) -> Loaded:
+    """Resolve and wrap. Raises Unavailable (named, not installed), SpecError, or the import's own error."""
+    parsed = parse(spec)
+    conv = convention_module(parsed.convention)
+    if parsed.named is not None:
+        raw = conv.load_named(parsed.named)
+    else:
+        raw = import_callable(parsed.callable_spec)
+    if parsed.convention == "te" and parsed.named is None:
+        return Loaded(raw, conv.CAPABILITIES, "te", raw)  # TE's convention: the callable itself, as always
+    fn, caps = conv.wrap(raw, named=parsed.named)
+    return Loaded(fn, caps, parsed.convention, raw)
+
+
+def first_importable(candidates, install: str, what: str) -> Callable:
+    """The first of `module:attr` candidates that imports; Unavailable (one line) when none does."""
+    errors = []
+    for cand in candidates:
+        try:
+            return import_callable(cand)
+        except Exception as e:  # noqa: BLE001 - not installed, or an install that fails to import
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:120])
+    raise Unavailable(f"{what} is not installed here ({errors[0] if errors else 'no candidate'}); "
+                      f"install it with: {install}")
