@@ -80,7 +80,8 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     state = _state(call, freqs, start_positions, cu_seqlens, inplace)
     if t.requires_grad and torch.is_grad_enabled():
         return _RoPEFunction.apply(state, t)[0]
-    return _rotate_all(state, (t,), False)[0]
+    # The eager no-grad call, the hot path: straight to the launcher, no tuples built or unpacked.
+    return rotate(call, t, state[1], start_positions, state[3], False, inplace, state[4])
 
 
 def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
