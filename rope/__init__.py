@@ -1,12 +1,14 @@
-"""rope: rotary position embedding in Triton, with TransformerEngine's API and semantics."""
-from . import reference
+"""rope: rotary position embedding in Triton, with TransformerEngine's API and semantics, and the
+conventions of transformers (`rope.hf`), flash-attention (`rope.flash`) and vLLM (`rope.vllm`)."""
+from . import flash, hf, reference, vllm
 from ._table import set_angle_table
 from ._validate import set_value_checks
+from .cache import RoPECache
 from .embedding import RotaryPositionEmbedding
-from .functional import apply_rotary_pos_emb, apply_rotary_pos_emb_qk
+from .functional import apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb, apply_rotary_pos_emb_qk
 
 __all__ = [
-    "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "RotaryPositionEmbedding", "reference", "set_angle_table",
-    "set_value_checks",
+    "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "apply_fused_qkv_rotary_pos_emb", "RotaryPositionEmbedding",
+    "RoPECache", "reference", "set_angle_table", "set_value_checks", "hf", "flash", "vllm",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

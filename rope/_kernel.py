@@ -104,13 +104,14 @@ def _sequence_of(token, cu_ptr, n_seqs, cp_size, FANOUT: tl.constexpr):
 
 
 @triton.jit
-def _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank,
+def _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps,
               IS_THD: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr, FANOUT: tl.constexpr,
               POS_TABLE: tl.constexpr):
-    """Position of the group's token(s) (docs/contract.md section 3). POS_TABLE: cu_ptr is
-    `rope._table`'s position table, one entry per token, read instead of searching cu_seqlens."""
+    """Position of the group's token(s) (docs/contract.md section 3). POS_TABLE: cu_ptr holds one
+    position per token (a caller's `positions`, or `rope._table`'s table built from cu_seqlens), read
+    instead of searching cu_seqlens."""
     if POS_TABLE:
-        pos = tl.load(cu_ptr + s_idx, eviction_policy="evict_last")
+        pos = tl.load(cu_ptr + s_idx * stride_ps, eviction_policy="evict_last").to(tl.int64)
     else:
         if IS_THD:
             seq_idx, seq_start, length = _sequence_of(s_idx, cu_ptr, n_seqs, cp_size, FANOUT)
@@ -145,24 +146,36 @@ def _pair_columns(ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HALF: 
 
 
 @triton.jit
-def _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd,
+def _angles(freqs_ptr, sin_ptr, pos, b_idx, freqs_len, stride_fs, stride_fb, stride_fd,
             ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-            BLOCK_HALF: tl.constexpr, PIN: tl.constexpr, TABLE: tl.constexpr):
+            BLOCK_HALF: tl.constexpr, PIN: tl.constexpr, TABLE: tl.constexpr, HALF_TABLE: tl.constexpr):
     """cos/sin factors of channels a and b = partner(a), as [1, BLOCK_HALF] rows, once per program.
 
-    TABLE: freqs_ptr is `rope._table`'s [freqs_len, 2, ROT_DIM] table (cos row, then sin row), read
-    instead of evaluated. Backward uses the adjoint's factors: (sin_a, sin_b) -> (-sin f[b], -sin f[a]).
-    A position outside freqs (value checks skipped) reads nothing and gives NaN."""
+    TABLE: freqs_ptr and sin_ptr are cos and sin tables (`rope._table`'s, or a caller's), any float
+    dtype, row `pos` (and, for tables per batch entry, b_idx), read instead of evaluated. HALF_TABLE:
+    one column per pair (column k for pair k), else one per channel. Backward uses the adjoint's
+    factors: (sin_a, sin_b) -> (-sin f[b], -sin f[a]). A position outside the table or `freqs` (value
+    checks skipped) reads nothing and gives NaN."""
     pos_ok = (pos >= 0) & (pos < freqs_len)
     k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
-    f_row = freqs_ptr + tl.where(pos_ok, pos, 0) * stride_fs
-    fa = tl.where(pos_ok, _shared_load(f_row + col_a * stride_fd, k_ok, 0.0), float("nan"))  # table: cos f[a]
-    fb = tl.where(pos_ok, _shared_load(f_row + col_b * stride_fd, k_ok, 0.0), float("nan"))
+    row = tl.where(pos_ok, pos, 0) * stride_fs
     if TABLE:
-        cos_a, cos_b = fa, fb
-        sin_fa = tl.where(pos_ok, _shared_load(f_row + (ROT_DIM + col_a) * stride_fd, k_ok, 0.0), float("nan"))
-        sin_fb = tl.where(pos_ok, _shared_load(f_row + (ROT_DIM + col_b) * stride_fd, k_ok, 0.0), float("nan"))
+        row += b_idx * stride_fb
+    if HALF_TABLE:
+        col = tl.arange(0, BLOCK_HALF) * stride_fd
+        cos_a = tl.where(pos_ok, _shared_load(freqs_ptr + row + col, k_ok, 0.0).to(tl.float32), float("nan"))
+        sin_fa = tl.where(pos_ok, _shared_load(sin_ptr + row + col, k_ok, 0.0).to(tl.float32), float("nan"))
+        cos_b, sin_fb = cos_a, sin_fa
+    elif TABLE:
+        ca, cb = row + col_a * stride_fd, row + col_b * stride_fd
+        cos_a = tl.where(pos_ok, _shared_load(freqs_ptr + ca, k_ok, 0.0).to(tl.float32), float("nan"))
+        cos_b = tl.where(pos_ok, _shared_load(freqs_ptr + cb, k_ok, 0.0).to(tl.float32), float("nan"))
+        sin_fa = tl.where(pos_ok, _shared_load(sin_ptr + ca, k_ok, 0.0).to(tl.float32), float("nan"))
+        sin_fb = tl.where(pos_ok, _shared_load(sin_ptr + cb, k_ok, 0.0).to(tl.float32), float("nan"))
     else:
+        f_row = freqs_ptr + row
+        fa = tl.where(pos_ok, _shared_load(f_row + col_a * stride_fd, k_ok, 0.0), float("nan"))
+        fb = tl.where(pos_ok, _shared_load(f_row + col_b * stride_fd, k_ok, 0.0), float("nan"))
         cos_a = _pin(tl.cos(fa), PIN)
         cos_b = _pin(tl.cos(fb), PIN)
         sin_fa = _pin(tl.sin(fa), PIN)
@@ -261,23 +274,23 @@ def _store_chunk(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, xa, xb, tail, cos_a, cos_b,
 # divisibility by 16, multiplying the compiled variants for no faster code; strides keep their
 # specialization, which proves 16-byte alignment.
 _COUNTS = ["n_heads", "n_batch", "rows_per_group", "rows_per_program", "n_groups", "inner", "seq_len", "n_seqs",
-           "freqs_len", "cp_rank"]
+           "freqs_len", "cp_rank", "stride_fb"]
 _QK_COUNTS = ["q_heads", "k_heads", "n_batch", "q_rows", "k_rows", "rows_per_program", "n_groups", "inner", "seq_len",
-              "n_seqs", "freqs_len", "cp_rank"]
+              "n_seqs", "freqs_len", "cp_rank", "stride_fb"]
 
 
 @triton.jit
-def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, start_ptr, cu_ptr,
+def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
           q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
           stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
-          stride_fs, stride_fd,
+          stride_fs, stride_fb, stride_fd, stride_ps,
           HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
           IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
           BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
           PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
-          POS_TABLE: tl.constexpr, QK: tl.constexpr):
+          POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, QK: tl.constexpr):
     """One program of either kernel: its chunks of a group's rows, rotated by the group's angles."""
     s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
     r_begin = chunk * rows_per_program
@@ -293,10 +306,10 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, start_ptr, cu_ptr,
                                        stride_kb, stride_kh, stride_kob, stride_koh, GROUP_PER_BATCH, BLOCK_R, QK)
     xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
                                BLOCK_HALF, BLOCK_TAIL, INPLACE)
-    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, IS_THD, HAS_START, USE_CP,
-                    FANOUT, POS_TABLE)
-    cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, pos, freqs_len, stride_fs, stride_fd, ROT_DIM, INTERLEAVED,
-                                         BACKWARD, BLOCK_HALF, PIN, TABLE)
+    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps, IS_THD,
+                    HAS_START, USE_CP, FANOUT, POS_TABLE)
+    cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, sin_ptr, pos, b_idx, freqs_len, stride_fs, stride_fb, stride_fd,
+                                         ROT_DIM, INTERLEAVED, BACKWARD, BLOCK_HALF, PIN, TABLE, HALF_TABLE)
     _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
                  HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
     for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
@@ -311,51 +324,53 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, start_ptr, cu_ptr,
 
 @triton.jit(do_not_specialize=_COUNTS)
 def rope_kernel(
-    x_ptr, out_ptr, freqs_ptr, start_ptr, cu_ptr,
+    x_ptr, out_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
     n_heads, n_batch, rows_per_group, rows_per_program, n_groups, inner,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank,
     stride_xs, stride_xb, stride_xh, stride_xd,
     stride_os, stride_ob, stride_oh, stride_od,
-    stride_fs, stride_fd,
+    stride_fs, stride_fb, stride_fd, stride_ps,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
-    FANOUT: tl.constexpr, POS_TABLE: tl.constexpr,
+    FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr,
 ):
     """One tensor: x is q and k, and there are no k rows."""
-    _rope(x_ptr, out_ptr, x_ptr, out_ptr, freqs_ptr, start_ptr, cu_ptr,
+    _rope(x_ptr, out_ptr, x_ptr, out_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
           n_heads, n_heads, n_batch, rows_per_group, 0, rows_per_program, n_groups, inner,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
-          stride_fs, stride_fd, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD, GROUP_PER_BATCH, HAS_START,
-          USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT, FANOUT, POS_TABLE, False)
+          stride_fs, stride_fb, stride_fd, stride_ps, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
+          GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT,
+          FANOUT, POS_TABLE, HALF_TABLE, False)
 
 
 @triton.jit(do_not_specialize=_QK_COUNTS)
 def rope_qk_kernel(
-    q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, start_ptr, cu_ptr,
+    q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
     q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank,
     stride_qs, stride_qb, stride_qh, stride_qd,
     stride_qos, stride_qob, stride_qoh, stride_qod,
     stride_ks, stride_kb, stride_kh, stride_kd,
     stride_kos, stride_kob, stride_koh, stride_kod,
-    stride_fs, stride_fd,
+    stride_fs, stride_fb, stride_fd, stride_ps,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
-    FANOUT: tl.constexpr, POS_TABLE: tl.constexpr,
+    FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr,
 ):
     """q and k of one layer in one launch: a group's rows are q's then k's, its angles found once for both."""
-    _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, start_ptr, cu_ptr,
+    _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
           q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
           stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
-          stride_fs, stride_fd, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD, GROUP_PER_BATCH, HAS_START,
-          USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT, FANOUT, POS_TABLE, True)
+          stride_fs, stride_fb, stride_fd, stride_ps, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
+          GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT,
+          FANOUT, POS_TABLE, HALF_TABLE, True)

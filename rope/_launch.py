@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -77,6 +78,39 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device.index]
 
 
+class Angles(NamedTuple):
+    """What the kernel reads for the angles. `table`: cos and sin tables, any float dtype, read at
+    [position * stride_s + batch * stride_b + column * stride_d] (stride_b: tables per batch entry, else
+    0), with one column per channel of the rotary width, or, `half`, one per pair. Else `cos` is `freqs`
+    as float32 (rows by stride_s, channels by stride_d), whose sin/cos the kernel evaluates, and `sin`
+    is unused. `length`: rows; a position outside them gives NaN."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    length: int
+    stride_s: int
+    stride_b: int
+    stride_d: int
+    table: bool
+    half: bool
+
+    def key(self) -> tuple:
+        """What a plan depends on (Triton specializes on dtypes, alignment and strides)."""
+        return (self.cos.dtype, self.stride_s, self.stride_b, self.stride_d, self.table, self.half,
+                self.cos.data_ptr() % 16, self.sin.data_ptr() % 16)
+
+
+def freqs_angles(freqs: torch.Tensor, length: int) -> Angles:
+    """`freqs` [s2, 1, 1, d2] as the kernel evaluates it."""
+    freqs = freqs if freqs.dtype == torch.float32 else freqs.float()
+    return Angles(freqs, freqs, length, freqs.stride(0), 0, freqs.stride(-1), False, False)
+
+
+def table_angles(cos: torch.Tensor, sin: torch.Tensor, half: bool, batch_stride: int = 0) -> Angles:
+    """cos/sin tables [rows, columns] (columns: rotary channels, or pairs if `half`), equal strides."""
+    return Angles(cos, sin, cos.shape[0], cos.stride(0), batch_stride, cos.stride(-1), True, half)
+
+
 class Plan:
     """Grid, scalar arguments and, once compiled, the direct launcher for one call signature."""
 
@@ -136,8 +170,9 @@ def _table_tile(tensor_bytes: int, device, spans_batch: bool) -> tuple:
 
 def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int, table_tile):
     """(BLOCK_R, BLOCK_HALF, BLOCK_TAIL, num_warps) by the rules above; table_tile as `_table_tile`
-    gives it, None for the kernel that evaluates sin/cos."""
-    table = table_tile is not None
+    gives it for the half-split kernel reading tables, None otherwise (interleaved tables take the
+    interleaved tile)."""
+    table = table_tile is not None and not interleaved
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
     vec = 16 // element_size  # elements per 16-byte access
@@ -203,15 +238,16 @@ def _groups(layout, tensor_format: str, has_start: bool, h: int):
 
 
 def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, has_start: bool,
-              cp_size: int, cp_rank: int, angles: torch.Tensor, backward: bool, inplace: bool = False,
-              pos_table: bool = False, k: torch.Tensor | None = None) -> Plan:
+              cp_size: int, cp_rank: int, angles: Angles, backward: bool, inplace: bool = False,
+              pos_table: bool = False, k: torch.Tensor | None = None, pos_stride: int = 1) -> Plan:
     """The plan for x, or with `k` for x = q and k in one launch (same tokens, head dim and dtype; head
-    counts may differ). `angles`: float32 `freqs`, or its cos/sin table (3-D), as the kernel will read
-    it; `pos_table`: the kernel's cu_seqlens argument is the position table (`rope._table`)."""
+    counts may differ). `angles`: what the kernel reads (`Angles`); `pos_table`: the kernel's cu_seqlens
+    argument holds one position per token, `pos_stride` apart."""
     tensors = (x,) if k is None else (x, k)
-    table = angles.dim() == 3
-    n_groups, q_rows, per_batch = _groups(layout, tensor_format, has_start, layout.h)
-    k_rows = 0 if k is None else _groups(layout, tensor_format, has_start, k.shape[-2])[1]
+    table = angles.table
+    per_row = has_start or angles.stride_b != 0  # angles differ per batch entry: a group is one (s, b) pair
+    n_groups, q_rows, per_batch = _groups(layout, tensor_format, per_row, layout.h)
+    k_rows = 0 if k is None else _groups(layout, tensor_format, per_row, k.shape[-2])[1]
     rows = q_rows + k_rows
     spans_batch = not per_batch and tensor_format != "thd"
     # bytes per row of thd programs that search cu_seqlens in several rounds, or read the position table
@@ -231,12 +267,12 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     counts = (layout.h, layout.b, q_rows) if k is None else (layout.h, k.shape[-2], layout.b, q_rows, k_rows)
     strides = [st for t in tensors for st in (*_roles(t, tensor_format), *_out_roles(t, tensor_format, inplace))]
     scalars = (
-        *counts, rows_per_program, n_groups, inner, layout.s, layout.n_seqs, layout.freqs_len, cp_size, cp_rank,
-        *strides, angles.stride(0), angles.stride(-1),
+        *counts, rows_per_program, n_groups, inner, layout.s, layout.n_seqs, angles.length, cp_size, cp_rank,
+        *strides, angles.stride_s, angles.stride_b, angles.stride_d, pos_stride,
         # the constexprs
         layout.d, layout.rot_dim, interleaved, backward, tensor_format == "thd", per_batch, has_start, cp_size > 1,
         block_r, block_half, block_tail, INTERPRET and x.dtype == torch.bfloat16, not INTERPRET, inplace, table,
-        chunks > 1, _SEARCH_FANOUT if tensor_format == "thd" and not pos_table else 1, pos_table,
+        chunks > 1, _SEARCH_FANOUT if tensor_format == "thd" and not pos_table else 1, pos_table, angles.half,
     )
     return Plan(rope_kernel if k is None else rope_qk_kernel, (n_groups * chunks, 1, 1), scalars, num_warps,
                 x.device, tuple(_dense(t, tensor_format) for t in tensors))
@@ -281,31 +317,30 @@ def run(plan: Plan, pointers: tuple):
         plan.compiled = compiled
 
 
-def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None) -> Plan:
+def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None, pos_stride=1) -> Plan:
     """The call's plan for x (with `k`: q = x and k in one launch), made on first use."""
-    # The call's key fixes x's strides where x is its own tensor (forward, the custom op), not a gradient,
-    # and the angle source's shape; angles.stride() has 4 entries for `freqs`, 3 for its table.
-    key = (backward, inplace, pos_table, x.stride() if backward or k is not None else None, x.data_ptr() % 16,
-           angles.stride(), angles.data_ptr() % 16)
+    # The call's key fixes x's strides where x is its own tensor (forward, the custom op), not a gradient.
+    key = (backward, inplace, pos_table, pos_stride, x.stride() if backward or k is not None else None,
+           x.data_ptr() % 16, angles.key())
     if k is not None:
         key += (k.shape, k.stride(), k.data_ptr() % 16)
     plan = call.plans.get(key)
     if plan is None:
         plan = make_plan(x, call.layout, call.tensor_format, call.interleaved, call.has_start, call.cp_size,
-                         call.cp_rank, angles, backward, inplace, pos_table, k)
+                         call.cp_rank, angles, backward, inplace, pos_table, k, pos_stride)
         call.plans[key] = plan
     return plan
 
 
 def angles_for(call, freqs):
-    """What the kernel reads for the angles: the cached cos/sin table of `freqs` (`rope._table`;
-    half-split only, interleaved has no table tile), or, where no table may be used, `freqs`
+    """What the kernel reads for `freqs`: its cached cos/sin tables (`rope._table`; half-split only:
+    the interleaved kernel evaluating sin/cos is as fast), or, where no table may be used, `freqs`
     itself as float32 (the kernel then evaluates sin/cos)."""
     if not call.interleaved:
         table = cos_sin_table(freqs, call.layout.freqs_len, call.layout.rot_dim)
         if table is not None:
-            return table
-    return freqs if freqs.dtype == torch.float32 else freqs.float()
+            return Angles(table[0], table[1], call.layout.freqs_len, call.layout.rot_dim, 0, 1, True, False)
+    return freqs_angles(freqs, call.layout.freqs_len)
 
 
 def token_index_for(call, cu_seqlens):
@@ -321,15 +356,17 @@ def token_index_for(call, cu_seqlens):
 
 def _pointers(angles, start_positions, token_index):
     # Unused index tensors still need a valid pointer argument; the kernel never reads them.
-    return angles, start_positions if start_positions is not None else angles, \
-        token_index if token_index is not None else angles
+    cos = angles.cos
+    return cos, angles.sin, start_positions if start_positions is not None else cos, \
+        token_index if token_index is not None else cos
 
 
 def rotate(call, x, angles, start_positions, token_index, backward, inplace=False, pos_table=False):
-    """Rotate x (or its gradient, `backward`) into a new tensor, or in place; returns it."""
+    """Rotate x (or its gradient, `backward`) into a new tensor, or in place; returns it. With
+    `pos_table`, `token_index` holds one position per token (1-D, any stride)."""
     if call.empty:
         return x if inplace else empty(x)
-    plan = plan_for(call, x, angles, backward, inplace, pos_table)
+    plan = plan_for(call, x, angles, backward, inplace, pos_table, None, token_index.stride(0) if pos_table else 1)
     out = x if inplace else empty(x, plan.dense[0])
     run(plan, (x, out, *_pointers(angles, start_positions, token_index)))
     return out
@@ -339,7 +376,7 @@ def rotate_qk(call, q, k, angles, start_positions, token_index, backward, inplac
     """`rotate` for q and k in one launch; returns (q_out, k_out)."""
     if not (q.numel() or k.numel()):
         return (q, k) if inplace else (empty(q), empty(k))
-    plan = plan_for(call, q, angles, backward, inplace, pos_table, k)
+    plan = plan_for(call, q, angles, backward, inplace, pos_table, k, token_index.stride(0) if pos_table else 1)
     qo = q if inplace else empty(q, plan.dense[0])
     ko = k if inplace else empty(k, plan.dense[1])
     run(plan, (q, qo, k, ko, *_pointers(angles, start_positions, token_index)))

@@ -1,6 +1,6 @@
 """Tables derived once per input tensor and read by the kernel (docs/design.md, "The tables").
 
-- cos/sin of `freqs`: `[freqs_len, 2, rot_dim]` float32, row p holding cos(freqs[p]) then sin(freqs[p]),
+- cos/sin of `freqs`: `[2, freqs_len, rot_dim]` float32, cos(freqs) then sin(freqs), read as two tables,
   computed by PyTorch (CUDA's cosf/sinf, the functions the kernel would evaluate). Reading it removes the
   dependent chain (angles, sin/cos, a shared-memory move) in front of each program's first load of `t`.
 - positions of `thd` tokens: `[T]` int64, each token's position in its sequence (context-parallel mapping
@@ -60,22 +60,24 @@ def _capturing(raw_stream) -> bool:
     return raw_stream != 0 and torch.cuda.is_current_stream_capturing()
 
 
-def _build(freqs: torch.Tensor, freqs_len: int, rot_dim: int) -> torch.Tensor:
+def _build(freqs: torch.Tensor, freqs_len: int, rot_dim: int):
+    """(memory, (cos, sin)): the two tables are views of one allocation."""
     angles = freqs.reshape(freqs_len, rot_dim).float()
-    table = torch.empty((freqs_len, 2, rot_dim), dtype=torch.float32, device=freqs.device)
-    torch.cos(angles, out=table[:, 0])
-    torch.sin(angles, out=table[:, 1])
-    return table
+    table = torch.empty((2, freqs_len, rot_dim), dtype=torch.float32, device=freqs.device)
+    torch.cos(angles, out=table[0])
+    torch.sin(angles, out=table[1])
+    return table, (table[0], table[1])
 
 
 class _Entry:
     """A built table and what proves it still describes its source; on a GPU also the stream that
     built it, an event recorded there after the build, and the other streams that have read it."""
 
-    __slots__ = ("ref", "ptr", "version", "table", "stream", "ready", "readers")
+    __slots__ = ("ref", "ptr", "version", "memory", "table", "stream", "ready", "readers")
 
-    def __init__(self, ref, src, table, stream):
-        self.ref, self.ptr, self.version, self.table, self.stream = ref, src.data_ptr(), src._version, table, stream
+    def __init__(self, ref, src, memory, table, stream):
+        self.ref, self.ptr, self.version, self.stream = ref, src.data_ptr(), src._version, stream
+        self.memory, self.table = memory, table  # the allocation, and what the kernel reads of it
         self.ready = None
         self.readers = set()
         if stream is not None:
@@ -89,12 +91,12 @@ class _Entry:
         current = torch.cuda.current_stream(device)
         current.wait_event(self.ready)
         if raw_stream not in self.readers:
-            self.table.record_stream(current)
+            self.memory.record_stream(current)
             self.readers.add(raw_stream)
 
 
 def _cached(src: torch.Tensor, key, build, *args):
-    """build(src, *args) once per `key` (it starts with id(src)) while `src` provably holds the same
+    """build(src, *args) -> (memory, table) once per `key` (it starts with id(src)) while `src` provably holds the same
     values, or None where no table may be used (see above); safe to read on any stream."""
     if not _ENABLED[0]:
         return None
@@ -112,17 +114,17 @@ def _cached(src: torch.Tensor, key, build, *args):
         return entry.table
     if src.is_inference():
         return None
-    table = build(src, *args)
+    memory, table = build(src, *args)
     if len(_TABLES) >= _MAX_TABLES:
         _TABLES.clear()
     # The entry goes when `src` does, so a table never outlives its source in memory.
     ref = weakref.ref(src, lambda _, key=key: _TABLES.pop(key, None))
-    _TABLES[key] = _Entry(ref, src, table, stream)
+    _TABLES[key] = _Entry(ref, src, memory, table, stream)
     return table
 
 
 def cos_sin_table(freqs: torch.Tensor, freqs_len: int, rot_dim: int):
-    """The table for `freqs` (built on first use), or None where none may be used (see above)."""
+    """(cos, sin) tables for `freqs` (built on first use), or None where none may be used (see above)."""
     return _cached(freqs, id(freqs), _build, freqs_len, rot_dim)
 
 
@@ -140,7 +142,8 @@ def _build_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_r
         c = (cu[(seq + 1).clamp_(max=n_seqs)] - start) // 2
         pos = torch.where(pos < c, pos + cp_rank * c, pos - c + (2 * cp_size - 1 - cp_rank) * c)
     # A token past the last sequence (value checks off) has no position: NaN in the kernel.
-    return torch.where(seq < n_seqs, pos, -1)
+    pos = torch.where(seq < n_seqs, pos, -1)
+    return pos, pos
 
 
 def token_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_rank: int):

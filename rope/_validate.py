@@ -350,3 +350,59 @@ def checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
                 _CALLS.clear()
             _CALLS[key] = call
     return call
+
+
+def call_for(key, make) -> Call:
+    """The memoised `Call` of another convention's signature `key`; `make()` checks and builds it."""
+    call = _CALLS.get(key)
+    if call is None:
+        call = make()
+        if len(_CALLS) >= _CALLS_MAX:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call
+
+
+def check_tables(cos, sin, x, x_name: str, names=("cos", "sin")) -> None:
+    """cos and sin tables of one shape, dtype (float32, float16 or bfloat16) and strides, on x's device."""
+    for name, tab in zip(names, (cos, sin), strict=True):
+        if not isinstance(tab, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(tab).__name__}")
+        if tab.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {tab.dtype}")
+        if tab.device != x.device:
+            raise ValueError(f"{name}: expected the device of {x_name} ({x.device}), got {tab.device}")
+    if sin.shape != cos.shape or sin.dtype != cos.dtype:
+        raise ValueError(f"{names[1]}: expected the shape and dtype of {names[0]} ({tuple(cos.shape)}, {cos.dtype}), "
+                         f"got {tuple(sin.shape)}, {sin.dtype}")
+
+
+def check_rotary_width(width: int, d: int, what: str) -> None:
+    if width < 2 or width % 2 or width > d:
+        raise ValueError(f"{what}: the rotary width must be even with 2 <= width <= head dim {d}, got {width}")
+
+
+def check_token_positions(positions, n_tokens: int, x, x_name: str, name: str = "positions") -> None:
+    """One int32/int64 position per token, on x's device."""
+    _check_index_tensor(name, positions, x, x_name)
+    if positions.shape[0] != n_tokens:
+        raise ValueError(f"{name}: expected {n_tokens} positions (one per token of {x_name}), "
+                         f"got {positions.shape[0]}")
+
+
+def check_positions_in(positions, rows: int, name: str = "positions", table: str = "cos_sin_cache") -> None:
+    """Every position in [0, rows): one device-to-host copy per new or modified tensor, skipped while
+    that would break a capture or trace (the kernel then writes NaN for a position outside)."""
+    key = (id(positions), rows, name)
+    seen = _PASSED.get(key)
+    if (seen is not None and _still(seen[0], positions)) or positions.numel() == 0 or skip_value_checks(positions):
+        return
+    lo, hi = torch.stack(torch.aminmax(positions)).tolist()
+    if lo < 0 or hi >= rows:
+        raise ValueError(f"{name}: expected positions in [0, {rows}) (the rows of {table}), got values in "
+                         f"[{lo}, {hi}]")
+    stamp = _stamp(positions)
+    if stamp is not False:
+        if len(_PASSED) >= _PASSED_MAX:
+            _PASSED.clear()
+        _PASSED[key] = (stamp,)

@@ -1,45 +1,20 @@
-"""Public entry points: TransformerEngine's `apply_rotary_pos_emb`, and q and k in one launch."""
+"""TransformerEngine's convention: `apply_rotary_pos_emb`, q and k in one launch, and packed QKV."""
 from __future__ import annotations
 
 import torch
 
 from . import _ops, reference
-from ._launch import INTERPRET, angles_for, rotate, rotate_qk, token_index_for
+from ._apply import _RoPEFunction, apply
+from ._launch import INTERPRET, angles_for, rotate, table_angles, token_index_for
+from .cache import RoPECache
 from ._validate import check_disjoint, check_inplace, check_pair, check_positions, check_static, checked_call
 
 
-class _RoPEFunction(torch.autograd.Function):
-    """Autograd for t, or for q and k in one launch. Everything else comes as one `state` tuple (call,
-    angles, start_positions, token_index, pos_table, inplace): autograd inspects every argument of
-    `apply`, and none of these needs a gradient (`freqs` gets none, as in TransformerEngine)."""
-
-    @staticmethod
-    def forward(ctx, state, *ts):
-        ctx.state = state
-        outs = _rotate_all(state, ts, False)
-        if state[5]:
-            ctx.mark_dirty(*ts)
-        return outs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return None, *_rotate_all(ctx.state, grads, True)
-
-
-def _rotate_all(state, ts, backward):
-    """Rotate ts (t, or q and k), or their gradients, with the call's `state`; returns a tuple."""
-    call, angles, start_positions, token_index, pos_table, inplace = state
-    if len(ts) == 1:
-        return (rotate(call, ts[0], angles, start_positions, token_index, backward, inplace and not backward,
-                       pos_table),)
-    return rotate_qk(call, *ts, angles, start_positions, token_index, backward, inplace and not backward, pos_table)
-
-
-def _state(call, freqs, start_positions, cu_seqlens, inplace):
+def _state(call, freqs, cache, start_positions, cu_seqlens, inplace):
     """The value checks of a checked call, then what its launches read (`_RoPEFunction`'s state)."""
     if call.checks_values:
         check_positions(call.layout, call.tensor_format, start_positions, cu_seqlens, call.cp_size, call.cp_rank)
-    angles = angles_for(call, freqs)
+    angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
     token_index, pos_table = token_index_for(call, cu_seqlens)
     return call, angles, start_positions, token_index, pos_table, inplace
 
@@ -53,7 +28,8 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     """Apply rotary position embedding to `t` (TransformerEngine 2.x semantics; docs/contract.md).
 
     t: [s, b, h, d] (sbhd), [b, s, h, d] (bshd) or [t, h, d] (thd), any strides.
-    freqs: angles [s2, 1, 1, d2], d2 even and <= d; read as float32.
+    freqs: angles [s2, 1, 1, d2], d2 even and <= d; read as float32. Or a `rope.RoPECache`, whose cos/sin
+    tables are read instead (also inside CUDA-graph captures, where no table of `freqs` is made).
     fused=True runs the Triton kernel (on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1);
     fused=False, or CPU tensors without the interpreter, run `rope.reference`.
     Returns a new contiguous tensor of t's shape and dtype; `t` is never modified. The gradient
@@ -67,6 +43,12 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
             check_inplace("t", t)
             return t.copy_(out)
         return out
+    cache = freqs if isinstance(freqs, RoPECache) else None
+    if cache is not None:
+        if torch.compiler.is_compiling():  # traced: the reference's PyTorch operations on the tables
+            return apply_rotary_pos_emb(t, freqs, tensor_format, start_positions, interleaved, False, cu_seqlens,
+                                        cp_size, cp_rank, inplace=inplace)
+        freqs = cache.as_freqs
     if torch.compiler.is_compiling():
         # Traced code: checks on shapes become guards, the launch an opaque custom op.
         check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
@@ -77,7 +59,7 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     call = checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
     if inplace:
         check_inplace("t", t)
-    state = _state(call, freqs, start_positions, cu_seqlens, inplace)
+    state = _state(call, freqs, cache, start_positions, cu_seqlens, inplace)
     if t.requires_grad and torch.is_grad_enabled():
         return _RoPEFunction.apply(state, t)[0]
     # The eager no-grad call, the hot path: straight to the launcher, no tuples built or unpacked.
@@ -98,13 +80,42 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
         kw = dict(tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved,
                   cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, inplace=inplace)
         return apply_rotary_pos_emb(q, freqs, **kw), apply_rotary_pos_emb(k, freqs, **kw)
+    cache = freqs if isinstance(freqs, RoPECache) else None
+    freqs = freqs if cache is None else cache.as_freqs
     call = checked_call(q, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "q")
     checked_call(k, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "k")
     if inplace:
         check_inplace("q", q)
         check_inplace("k", k)
         check_disjoint(q, k)
-    state = _state(call, freqs, start_positions, cu_seqlens, inplace)
-    if (q.requires_grad or k.requires_grad) and torch.is_grad_enabled():
-        return _RoPEFunction.apply(state, q, k)
-    return _rotate_all(state, (q, k), False)
+    state = _state(call, freqs, cache, start_positions, cu_seqlens, inplace)
+    return apply((q, k), *state)
+
+
+def apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
+                                   start_positions=None, interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0):
+    """TransformerEngine's packed-QKV call: returns (q, k, v) from qkv [s, b, h, nq + nk + nv] (sbhd) or
+    [b, s, h, nq + nk + nv] (bshd), (nq, nk, nv) = qkv_split_arg_list, nq a multiple of nk.
+
+    As TE cuts it: each head's last dimension holds q, k and v; q's part is nq / nk heads of width nk.
+    q is rotated by q_freqs ([.., h * nq / nk, nk]), k by k_freqs ([.., h, nk]), v is copied; all three
+    are new contiguous tensors, and the gradient flows to qkv. `cu_seqlens` is accepted and unused, as
+    in TE (thd is not a packed-QKV format). q_freqs/k_freqs may be `RoPECache`s.
+    """
+    if tensor_format not in ("sbhd", "bshd"):
+        raise ValueError(f"tensor_format: packed QKV supports 'sbhd' and 'bshd', got {tensor_format!r}")
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4:
+        raise ValueError(f"qkv: expected a 4-D tensor, got {getattr(qkv, 'shape', type(qkv).__name__)}")
+    try:
+        nq, nk, nv = (int(n) for n in qkv_split_arg_list)
+    except (TypeError, ValueError):
+        raise ValueError(f"qkv_split_arg_list: expected three ints [nq, nk, nv], got {qkv_split_arg_list!r}") from None
+    if min(nq, nk, nv) < 1 or nq % nk or nq + nk + nv != qkv.shape[-1]:
+        raise ValueError(f"qkv_split_arg_list: expected positive [nq, nk, nv] with nq a multiple of nk and "
+                         f"nq + nk + nv = qkv.shape[-1] = {qkv.shape[-1]}, got {list(qkv_split_arg_list)}")
+    q, k, v = torch.split(qkv, [nq, nk, nv], dim=3)
+    q = q.reshape(*qkv.shape[:2], qkv.shape[2] * nq // nk, nk)  # a view where nq == nk, else a copy
+    kw = dict(tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved,
+              cp_size=cp_size, cp_rank=cp_rank)
+    return (apply_rotary_pos_emb(q, q_freqs, **kw), apply_rotary_pos_emb(k, k_freqs, **kw),
+            v.clone(memory_format=torch.contiguous_format))

@@ -54,21 +54,46 @@ def token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size,
     return pos
 
 
+def rotate(t, cos, sin, interleaved):
+    """t[..., :d2] rotated by per-channel cos/sin (broadcastable to it, d2 = their last size), the rest
+    copied: channel i gets t_i cos_i + sigma(i) t_pi(i) sin_i. Arithmetic in float64 if t or the tables
+    are float64, else float32; rounded once to t.dtype. Every convention's reference ends here."""
+    compute = torch.float64 if torch.float64 in (t.dtype, cos.dtype) else torch.float32
+    d2 = cos.shape[-1]
+    x = t[..., :d2].to(compute)
+    partner, sign = partner_and_sign(d2, interleaved, t.device)
+    rotated = x * cos.to(compute) + sign.to(compute) * x[..., partner] * sin.to(compute)
+    return torch.cat([rotated.to(t.dtype), t[..., d2:]], dim=-1)
+
+
+def full_width(half_table, interleaved):
+    """A table with one column per pair (flash-attention's, vLLM's) as one column per channel."""
+    return half_table.repeat_interleave(2, dim=-1) if interleaved else torch.cat([half_table, half_table], dim=-1)
+
+
+def rotate_rows(t, cos, sin, pos, tensor_format, interleaved):
+    """`rotate` by rows `pos` (`token_positions`' shape) of full-width tables cos/sin [rows, d2]."""
+    cos, sin = cos[pos], sin[pos]  # [s, b, d2] or [t, d2]
+    if tensor_format == "bshd":
+        cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
+    return rotate(t, cos.unsqueeze(-2), sin.unsqueeze(-2), interleaved)  # broadcast over heads
+
+
 def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                          fused=False, cu_seqlens=None, cp_size=1, cp_rank=0):
-    """Reference implementation with the signature of `rope.apply_rotary_pos_emb` (`fused` is ignored)."""
+    """Reference implementation with the signature of `rope.apply_rotary_pos_emb` (`fused` is ignored);
+    `freqs` may be a `rope.RoPECache`, whose cos/sin rows are then read instead of evaluated."""
+    cache = freqs if hasattr(freqs, "as_freqs") else None
+    if cache is not None:
+        freqs = cache.as_freqs
     layout = check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
                           cp_rank, allow_float64=True)
     check_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
-    compute = torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32
-    d2 = layout.rot_dim
-    angles = freqs[:, 0, 0, :].to(torch.float32 if freqs.dtype != torch.float64 else torch.float64)
     pos = token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, t.device)
-    f = angles[pos].to(compute)  # [s, b, d2] or [t, d2]
+    if cache is not None:
+        return rotate_rows(t, cache.cos, cache.sin, pos, tensor_format, interleaved)
+    angles = freqs[:, 0, 0, :].to(torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32)
+    f = angles[pos]
     if tensor_format == "bshd":
         f = f.transpose(0, 1)
-    f = f.unsqueeze(-2)  # broadcast over heads
-    x = t[..., :d2].to(compute)
-    partner, sign = partner_and_sign(d2, interleaved, t.device)
-    rotated = x * torch.cos(f) + sign.to(compute) * x[..., partner] * torch.sin(f)
-    return torch.cat([rotated.to(t.dtype), t[..., d2:]], dim=-1)
+    return rotate(t, torch.cos(f).unsqueeze(-2), torch.sin(f).unsqueeze(-2), interleaved)  # broadcast over heads

@@ -331,7 +331,8 @@ def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inne
     freqs = make_freqs(s, d, gen)
     g = torch.randn(t.shape, generator=gen).to(dtype).to(DEVICE)
     layout = check_static(t, freqs, tensor_format, None, False, None, 1, 0, allow_float64=False)
-    angles = _table._build(freqs, s, d) if source == "table" else freqs
+    angles = (_launch.table_angles(*_table._build(freqs, s, d)[1], half=False) if source == "table"
+              else _launch.freqs_angles(freqs, s))
     plan = _launch.make_plan(t, layout, tensor_format, False, False, 1, 0, angles, backward=False)
     n_groups, got_inner = plan.arg("n_groups"), plan.arg("inner")
     chunks = plan.grid[0] // n_groups
@@ -367,12 +368,12 @@ def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomp
     freqs = make_freqs(6, d, gen)
     g = torch.randn(t.shape, generator=gen).to(dtype).to(DEVICE)
     layout = check_static(t, freqs, "thd", None, False, cu, 1, 0, allow_float64=False)
-    plan = _launch.make_plan(t, layout, "thd", False, False, 1, 0, _table._build(freqs, 6, d), backward=False)
+    table = _launch.table_angles(*_table._build(freqs, 6, d)[1], half=False)
+    plan = _launch.make_plan(t, layout, "thd", False, False, 1, 0, table, backward=False)
     rows_per_program = plan.arg("rows_per_program")
     assert (rows_per_program > 8) == many and (rows_per_program < h) == split
     assert plan.grid[0] == 5 * -(-h // rows_per_program)
-    positions = _launch.make_plan(t, layout, "thd", False, False, 1, 0, _table._build(freqs, 6, d), backward=False,
-                                  pos_table=True)
+    positions = _launch.make_plan(t, layout, "thd", False, False, 1, 0, table, backward=False, pos_table=True)
     row_bytes = d * t.element_size()
     expected = 8 * max(1, _launch._POS_TABLE_THD_BYTES // (8 * row_bytes)) if many else 8
     assert positions.arg("rows_per_program") == min(expected, -(-h // 8) * 8)

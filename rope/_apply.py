@@ -1,0 +1,52 @@
+"""The one path below every entry point: autograd around the launcher (`rope._launch`).
+
+An entry point checks its arguments into a `Call` and says what the kernel reads (`Angles`, positions);
+`apply` rotates t, or q and k in one launch, with a backward where autograd needs one.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._launch import INTERPRET, rotate, rotate_qk
+
+
+class _RoPEFunction(torch.autograd.Function):
+    """Autograd for t, or for q and k in one launch. Everything else comes as one `state` tuple (call,
+    angles, start_positions, token_index, pos_table, inplace): autograd inspects every argument of
+    `apply`, and none of these needs a gradient (angles get none, as in TransformerEngine)."""
+
+    @staticmethod
+    def forward(ctx, state, *ts):
+        ctx.state = state
+        outs = rotate_all(state, ts, False)
+        if state[5]:
+            ctx.mark_dirty(*ts)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, *rotate_all(ctx.state, grads, True)
+
+
+def rotate_all(state, ts, backward):
+    """Rotate ts (t, or q and k), or their gradients, with the call's `state`; returns a tuple."""
+    call, angles, start_positions, token_index, pos_table, inplace = state
+    if len(ts) == 1:
+        return (rotate(call, ts[0], angles, start_positions, token_index, backward, inplace and not backward,
+                       pos_table),)
+    return rotate_qk(call, *ts, angles, start_positions, token_index, backward, inplace and not backward, pos_table)
+
+
+def apply(ts, call, angles, start_positions=None, token_index=None, pos_table=False, inplace=False):
+    """Rotated ts (a tuple: t, or q and k), differentiable in ts where autograd records."""
+    state = (call, angles, start_positions, token_index, pos_table, inplace)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return _RoPEFunction.apply(state, *ts)
+    return rotate_all(state, ts, False)
+
+
+def kernel_runs(x) -> bool:
+    """Whether the Triton kernel runs for x: a CUDA tensor, or a CPU one under TRITON_INTERPRET=1, outside
+    tracing (entry points other than TransformerEngine's trace as the reference's PyTorch operations)."""
+    return isinstance(x, torch.Tensor) and (x.is_cuda or (INTERPRET and x.is_cpu)) and \
+        not torch.compiler.is_compiling()

@@ -1,0 +1,76 @@
+"""flash-attention's convention: `apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False,
+seqlen_offsets=0, cu_seqlens=None, max_seqlen=None)`.
+
+x: [b, s, h, d], or [total, h, d] with cu_seqlens [b + 1]. cos, sin: [seqlen_ro, rotary_dim / 2], one
+angle per pair; rotary_dim <= d (the rest is copied). Token j of sequence i reads row
+j + seqlen_offsets (an int, or a [b] int32/int64 tensor with one offset per sequence).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._apply import apply, kernel_runs
+from ._launch import Angles, token_index_for
+from ._validate import (Call, Layout, call_for, check_inplace, check_positions, check_rotary_width, check_tables,
+                        _check_index_tensor)
+
+
+def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                     max_seqlen=None):
+    """flash-attention's `apply_rotary_emb`: a new tensor, or x itself with inplace=True. cos/sin may be
+    float32, float16 or bfloat16 whatever x's dtype (math in float32, one rounding). `max_seqlen` is
+    not needed (positions are checked against seqlen_ro instead). The gradient flows to x."""
+    fmt = "bshd" if cu_seqlens is None else "thd"
+    if not isinstance(x, torch.Tensor) or x.dim() != (4 if fmt == "bshd" else 3):
+        raise ValueError(f"x: expected {'[b, s, h, d]' if fmt == 'bshd' else '[total, h, d] (with cu_seqlens)'}, "
+                         f"got {getattr(x, 'shape', type(x).__name__)}")
+    check_tables(cos, sin, x, "x")
+    if cos.dim() != 2:
+        raise ValueError(f"cos: expected shape [seqlen_ro, rotary_dim / 2], got {tuple(cos.shape)}")
+    if not isinstance(interleaved, bool) or not isinstance(inplace, bool):
+        raise TypeError("interleaved, inplace: expected bools")
+    rows, d, rot = cos.shape[0], x.shape[-1], 2 * cos.shape[1]
+    check_rotary_width(rot, d, "cos")
+    start = None
+    if isinstance(seqlen_offsets, torch.Tensor):
+        start = seqlen_offsets
+    elif isinstance(seqlen_offsets, int) and not isinstance(seqlen_offsets, bool):
+        if not 0 <= seqlen_offsets <= rows:
+            raise ValueError(f"seqlen_offsets: expected an int in [0, seqlen_ro = {rows}], got {seqlen_offsets}")
+        cos, sin, rows = cos[seqlen_offsets:], sin[seqlen_offsets:], rows - seqlen_offsets
+    else:
+        raise TypeError(f"seqlen_offsets: expected an int or a tensor, got {type(seqlen_offsets).__name__}")
+    if fmt == "thd":
+        _check_index_tensor("cu_seqlens", cu_seqlens, x, "x")
+        if cu_seqlens.shape[0] < 1:
+            raise ValueError("cu_seqlens: expected shape [b + 1], got an empty tensor")
+        s, b, n_seqs = x.shape[0], 1, cu_seqlens.shape[0] - 1
+    else:
+        b, s, n_seqs = x.shape[0], x.shape[1], 0
+        if start is None and s > rows:
+            raise ValueError(f"cos: too short: seqlen {s} (from seqlen_offsets) needs {s} rows, got {rows}")
+    if start is not None:
+        _check_index_tensor("seqlen_offsets", start, x, "x")
+        if start.shape[0] != (n_seqs if fmt == "thd" else b):
+            raise ValueError(f"seqlen_offsets: expected one offset per sequence ({n_seqs if fmt == 'thd' else b}), "
+                             f"got shape {tuple(start.shape)}")
+    if inplace:
+        check_inplace("x", x)
+    layout = Layout(s, b, x.shape[-2], d, rot, rows, n_seqs)
+    if not kernel_runs(x):
+        check_positions(layout, fmt, start, cu_seqlens, 1, 0)
+        pos = reference.token_positions(layout, fmt, start, cu_seqlens, 1, 0, x.device)
+        full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
+        out = reference.rotate_rows(x, *full, pos, fmt, interleaved)
+        return x.copy_(out) if inplace else out
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    key = ("flash", x.shape, x.stride(), x.dtype, x.device, fmt, rot, rows, interleaved,
+           None if start is None else (start.shape, start.dtype), None if cu_seqlens is None else (cu_seqlens.shape, cu_seqlens.dtype))
+    call = call_for(key, lambda: Call(layout, fmt, interleaved, start, cu_seqlens, 1, 0))
+    if call.checks_values:
+        check_positions(layout, fmt, start, cu_seqlens, 1, 0)
+    token_index, pos_table = token_index_for(call, cu_seqlens)
+    angles = Angles(cos, sin, rows, cos.stride(0), 0, cos.stride(1), True, True)
+    return apply((x,), call, angles, start, token_index, pos_table, inplace)[0]
