@@ -28,7 +28,7 @@ def _heads(name, x, positions, head_size):
         raise ValueError(f"{name}: expected [{', '.join(map(str, positions.shape))}, heads * {head_size}] or "
                          f"[..., heads, {head_size}] (leading dims as positions'), got {tuple(x.shape)}")
     try:
-        return x.view(positions.numel(), -1, head_size)
+        return x.view(positions.numel(), rest[0] if len(rest) == 2 else rest[0] // head_size, head_size)
     except RuntimeError:
         raise ValueError(f"{name}: cannot be viewed as [num_tokens, heads, head_size] (strides "
                          f"{tuple(x.stride())}); pass a tensor whose heads are evenly strided") from None
