@@ -246,9 +246,11 @@ def _still(stamp, x) -> bool:
     return stamp is None if x is None else (stamp is not False and stamp[0]() is x and stamp[1] == x._version)
 
 
-def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
+def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
+                    names=("freqs", "start_positions")):
     """Checks on the values of `cu_seqlens` and `start_positions` (one device-to-host copy, then
-    none while the same tensors are passed again unmodified)."""
+    none while the same tensors are passed again unmodified). `names`: what the caller's convention
+    calls the angle table and the start positions, for the messages."""
     if cu_seqlens is None and start_positions is None:
         return
     # Tensors that passed come first: the lookup is cheaper than asking whether a graph is being
@@ -259,7 +261,7 @@ def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, 
         return
     if skip_value_checks(cu_seqlens if cu_seqlens is not None else start_positions):
         return
-    _check_position_values(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    _check_position_values(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, *names)
     stamps = (_stamp(start_positions), _stamp(cu_seqlens))
     if False not in stamps:
         if len(_PASSED) >= _PASSED_MAX:
@@ -267,7 +269,8 @@ def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, 
         _PASSED[key] = stamps
 
 
-def _check_position_values(layout: Layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
+def _check_position_values(layout: Layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, table_name,
+                           start_name):
     s, s2 = layout.s, layout.freqs_len
     if tensor_format == "thd":
         cu = cu_seqlens.to(torch.int64)
@@ -295,17 +298,17 @@ def _check_position_values(layout: Layout, tensor_format, start_positions, cu_se
             raise ValueError(f"cu_seqlens: with cp_size = {cp_size} every sequence length must be a "
                              f"multiple of 2 * cp_size = {2 * cp_size}")
         if bad_neg:
-            raise ValueError("start_positions: must be >= 0")
+            raise ValueError(f"{start_name}: must be >= 0")
         if max_pos >= s2:
-            raise ValueError(f"freqs: too short: positions reach {max_pos} but freqs has s2 = {s2} rows")
+            raise ValueError(f"{table_name}: too short: positions reach {max_pos} but {table_name} has {s2} rows")
     elif start_positions is not None and s > 0 and layout.b > 0:
         lo, hi = torch.stack(torch.aminmax(start_positions)).tolist()
         if lo < 0:
-            raise ValueError(f"start_positions: must be >= 0, got {lo}")
+            raise ValueError(f"{start_name}: must be >= 0, got {lo}")
         top = hi + _max_position(s, cp_size, cp_rank)
         if top >= s2:
-            raise ValueError(f"freqs: too short: start_positions reach {hi}, so positions reach "
-                             f"{top}, but freqs has s2 = {s2} rows")
+            raise ValueError(f"{table_name}: too short: {start_name} reach {hi}, so positions reach "
+                             f"{top}, but {table_name} has {s2} rows")
 
 
 class Call:

@@ -59,7 +59,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         check_inplace("x", x)
     layout = Layout(s, b, x.shape[-2], d, rot, rows, n_seqs)
     if not kernel_runs(x):
-        check_positions(layout, fmt, start, cu_seqlens, 1, 0)
+        check_positions(layout, fmt, start, cu_seqlens, 1, 0, ("cos", "seqlen_offsets"))
         pos = reference.token_positions(layout, fmt, start, cu_seqlens, 1, 0, x.device)
         full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
         out = reference.rotate_rows(x, *full, pos, fmt, interleaved)
@@ -70,7 +70,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
            None if start is None else (start.shape, start.dtype), None if cu_seqlens is None else (cu_seqlens.shape, cu_seqlens.dtype))
     call = call_for(key, lambda: Call(layout, fmt, interleaved, start, cu_seqlens, 1, 0))
     if call.checks_values:
-        check_positions(layout, fmt, start, cu_seqlens, 1, 0)
+        check_positions(layout, fmt, start, cu_seqlens, 1, 0, ("cos", "seqlen_offsets"))
     token_index, pos_table = token_index_for(call, cu_seqlens)
     angles = Angles(cos, sin, rows, cos.stride(0), 0, cos.stride(1), True, True)
     return apply((x,), call, angles, start, token_index, pos_table, inplace)[0]

@@ -1,29 +1,50 @@
-"""Mutation testing of rope/ against a reduced, fast selection of the CPU suite (cosmic-ray), a score per file.
+"""Mutation testing of rope/ (cosmic-ray's operators) against a fast selection of the CPU suite, a score per file.
 
-    python -m tests.mutation [rope/FILE.py ...] [--out mutation.md] [--tests "PYTEST ARGS"] [--jobs N]
+    python -m tests.mutation [rope/FILE.py ...] [--jobs N] [--sample K] [--minutes M] [--seed S]
+                             [--out mutation.md] [--tests "PYTEST ARGS"] [--rerun OLD.json]
 
-(`tox -e mutation` runs it on every file of rope/.) The working tree is copied to a temporary directory first:
-cosmic-ray rewrites the file under test in place, and that must never happen in a tree someone edits. For each
-file one cosmic-ray session is made (`init`, then `exec`) with the test command below; a mutant is killed when the
-tests fail (or time out), survives when they pass, and is incompetent when it cannot even be imported. The score
-of a file is killed / (killed + survived). The report lists the scores and every survivor (operator, line, diff).
+Files: every rope/*.py found at run time, unless named. The tree is copied once per job (`--jobs`, default 1)
+to a temporary directory: mutants are written there, never here. cosmic-ray `init` lists every mutant of the files
+(operator, occurrence, position); `--sample K` takes K of each file's mutants, uniformly at random (`--seed`), else
+all are run; `--rerun OLD.json` runs only the survivors of an earlier run (matched by file, operator and diff).
+Mutants are queued round-robin over the files, so that a run cut short by `--minutes` (the whole budget, all jobs)
+still leaves each file a uniform random sample; a mutant that does not finish in time is not counted.
 
-The test selection per file is a small, quick part of the CPU suite that exercises it (a few Hypothesis
-examples, ROPE_MAX_EXAMPLES): the whole suite takes minutes, and a campaign runs it once per mutant.
+Each job is a Python process in its own copy that imports torch, triton, hypothesis and pytest once (most of a
+pytest start) and forks per mutant: it writes the mutant into its copy, the child runs the file's SELECTION
+(`pytest -x`, ROPE_MAX_EXAMPLES Hypothesis examples per property, CPU interpreter profile: TRITON_INTERPRET=1,
+no CUDA device), and the file is restored. The selection first runs once on the unmutated copy (baseline): a file
+whose baseline fails is reported and its mutants are not run; its time sets the mutants' timeout (--timeout,
+default max(60 s, 4 x baseline)).
+
+Outcomes: killed (the selection fails, or the mutant crashes or cannot be imported), timeout, survived (passes),
+incompetent (cosmic-ray made no valid Python). Score = (killed + timeout) / (killed + timeout + survived), with a
+95 % Wilson interval, since it is a sample. A mutant on a line marked `# pragma: no mutate` (or
+`# pragma: no mutate: OPERATOR, ...`, cosmic-ray's names) is a documented equivalent: listed, not run.
+Writes --out (markdown: the scores, every survivor with operator, line and diff) and --out with .json (raw results),
+both rewritten after each mutant.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
+import math
 import os
+import random
+import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PYTEST = "python -m pytest -x -q -n 0 -p no:cacheprovider"
+PYTEST = "-x -q -n 0 -p no:cacheprovider"
 FAST = "tests/test_suite_catches_bugs.py::test_perturbed_reference_without_hooks_is_the_reference"
 # file -> the tests that exercise it, fast (the kernel ones run Triton's interpreter: slower, fewer examples)
 SELECTION = {
@@ -36,16 +57,8 @@ SELECTION = {
     "rope/_kernel.py": "tests/test_core.py tests/test_properties.py::test_matches_float64_reference",
     "rope/_ops.py": "tests/test_compile.py",
 }
-DEFAULT_TESTS = "tests/test_core.py tests/test_properties.py::test_matches_float64_reference"
-CONFIG = """[cosmic-ray]
-module-path = "{module}"
-timeout = {timeout}
-excluded-modules = []
-test-command = "{command}"
-
-[cosmic-ray.distributor]
-name = "local"
-"""
+DEFAULT_TESTS = "tests/test_core.py tests/test_properties.py::test_matches_float64_reference"  # any other file
+OUTCOMES = ("killed", "timeout", "survived", "incompetent", "equivalent")
 
 
 def copy_tree(dst: Path):
@@ -53,97 +66,354 @@ def copy_tree(dst: Path):
     listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
                             capture_output=True).stdout.decode().split("\0")
     for rel in filter(None, listed):
-        src = ROOT / rel
-        if src.is_file():
+        if (ROOT / rel).is_file():
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst / rel)
+            shutil.copy2(ROOT / rel, dst / rel)
 
 
-def cosmic_ray(*args, cwd, timeout=None) -> bool:
-    """Run a cosmic-ray command; False when it was stopped at `timeout` seconds (its process group ended)."""
-    proc = subprocess.Popen([sys.executable, "-m", "cosmic_ray.cli", *args], cwd=cwd, start_new_session=True)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # exec and the test run it started, nothing else
-        proc.wait()
-        return False
-    if proc.returncode:
-        raise subprocess.CalledProcessError(proc.returncode, proc.args)
-    return True
-
-
-def mutate_file(work: Path, module: str, tests: str, timeout: float, max_examples: int,
-                budget_s: float | None = None) -> dict:
-    """One cosmic-ray session; with budget_s, exec stops then (cosmic-ray takes the mutants in random order, so
-    the finished ones are a random sample: the result is partial, with the pending count)."""
-    env_prefix = f"env ROPE_MAX_EXAMPLES={max_examples} PYTHONDONTWRITEBYTECODE=1 "
-    cfg = work / f"cr-{Path(module).stem}.toml"
-    cfg.write_text(CONFIG.format(module=module, timeout=timeout, command=env_prefix + f"{PYTEST} {tests}"))
-    session = work / f"cr-{Path(module).stem}.sqlite"
-    cosmic_ray("init", str(cfg), str(session), cwd=work)
-    cosmic_ray("exec", str(cfg), str(session), cwd=work, timeout=budget_s)
+def list_mutants(tree: Path, files: list[str], db_path: Path) -> dict[str, list]:
+    """cosmic-ray `init` into a session database: every mutant of `files`, as (operator, occurrence, line, col)."""
+    from cosmic_ray.commands.init import init
     from cosmic_ray.work_db import WorkDB, use_db
-    from cosmic_ray.work_item import TestOutcome
 
-    counts = {"killed": 0, "survived": 0, "incompetent": 0}
-    survivors = []
-    with use_db(str(session), WorkDB.Mode.open) as db:
-        for item, result in db.completed_work_items:
-            outcome = result.test_outcome or TestOutcome.INCOMPETENT
-            counts[TestOutcome(outcome).value] += 1
-            if outcome == TestOutcome.SURVIVED:
-                m = item.mutations[0]
-                survivors.append((m.start_pos[0], m.operator_name, (result.diff or "").strip()))
-        pending = sum(1 for _ in db.pending_work_items)
-    decided = counts["killed"] + counts["survived"]
-    return {"file": module, "tests": tests, **counts, "pending": pending,
-            "score": counts["killed"] / decided if decided else float("nan"), "survivors": sorted(survivors)}
+    mutants = {f: [] for f in files}
+    with use_db(str(db_path), WorkDB.Mode.create) as db:
+        init([tree / f for f in files], db, {})
+        for item in db.work_items:
+            for m in item.mutations:
+                rel = Path(m.module_path).relative_to(tree).as_posix()
+                mutants[rel].append((m.operator_name, m.occurrence, *m.start_pos))
+    return {f: sorted(ms, key=lambda m: (m[2], m[3], m[0], m[1])) for f, ms in mutants.items()}
 
 
-def render(results: list, max_examples: int) -> str:
-    lines = ["| file | mutants run | killed | survived | incompetent | score | tests |",
-             "|---|---|---|---|---|---|---|"]
-    for r in results:
-        n = r["killed"] + r["survived"] + r["incompetent"]
-        run = f"{n} of {n + r['pending']} (partial: a random sample)" if r["pending"] else str(n)
-        lines.append(f"| `{r['file']}` | {run} | {r['killed']} | {r['survived']} | {r['incompetent']} | "
-                     f"{r['score']:.1%} | `{r['tests']}` (ROPE_MAX_EXAMPLES={max_examples}) |")
-    for r in results:
-        if r["survivors"]:
-            lines += ["", f"Survivors in `{r['file']}`:", ""]
-            for line, op, diff in r["survivors"]:
-                body = "\n".join(ln for ln in diff.splitlines() if ln.startswith(("+", "-"))
-                                 and not ln.startswith(("+++", "---")))
-                lines += [f"- line {line}, {op}:", "", "  ```diff", *("  " + ln for ln in body.splitlines()),
-                          "  ```"]
-    return "\n".join(lines) + "\n"
+def mutate(source: str, operator: str, occurrence: int) -> str | None:
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+
+    return mutate_code(source, get_operator(operator)(), occurrence)
+
+
+def diff_body(a: str, b: str) -> str:
+    return "\n".join(ln for ln in difflib.unified_diff(a.splitlines(), b.splitlines(), n=0, lineterm="")
+                     if ln[:1] in "+-" and not ln.startswith(("+++", "---")))
+
+
+def pragma_equivalent(line: str, operator: str) -> bool:
+    m = re.search(r"pragma: no mutate(?::\s*([\w/, ]+))?", line)
+    return bool(m) and (not m.group(1) or operator in {s.strip() for s in m.group(1).split(",")})
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return math.nan, math.nan
+    p, d = k / n, 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+# ---- a job: a process in its own copy of the tree that imported the heavy modules once, forks per run ----------
+def serve():
+    """Job side (`--serve`): reads one JSON request a line (file, code or null, args, timeout, log), writes a reply."""
+    import hypothesis  # noqa: F401
+    import numpy  # noqa: F401
+    import pytest
+    import torch  # noqa: F401
+    import triton  # noqa: F401
+    import triton.language  # noqa: F401
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        path = Path(req["file"])
+        original = path.read_text()
+        if req["code"] is not None:
+            path.write_text(req["code"])
+        t0 = time.monotonic()
+        try:
+            rc = run_forked(pytest, req["args"], req["timeout"], req["log"])
+        finally:
+            path.write_text(original)
+        print(json.dumps({"rc": rc, "seconds": time.monotonic() - t0}), flush=True)
+
+
+def run_forked(pytest, args: list[str], timeout: float, log: str) -> int | None:
+    """pytest.main(args) in a forked child of its own session; its exit code (negative: a signal), None: timeout."""
+    pid = os.fork()
+    if pid == 0:
+        rc = 70
+        try:
+            os.setsid()
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            rc = int(pytest.main(args))
+        except BaseException:  # noqa: B036 - the child must reach os._exit whatever happens
+            import traceback
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+    end = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > end:
+            os.killpg(pid, signal.SIGKILL)  # the child and whatever it started, nothing else
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.05)
+
+
+class Job:
+    def __init__(self, tree: Path, max_examples: int):
+        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONDONTWRITEBYTECODE="1",
+                   ROPE_MAX_EXAMPLES=str(max_examples), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
+                   TRITON_CACHE_DIR=str(tree / ".cache" / "triton"),
+                   TORCHINDUCTOR_CACHE_DIR=str(tree / ".cache" / "inductor"))
+        env.pop("HYPOTHESIS_PROFILE", None)  # conftest: cpu-interp without a CUDA device
+        self.tree = tree
+        (tree / ".cache").mkdir(exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.mutation", "--serve"], cwd=tree, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, file: str, code: str | None, tests: str, timeout: float) -> dict:
+        req = dict(file=file, code=code, args=shlex.split(f"{PYTEST} {tests}"), timeout=timeout,
+                   log=str(self.tree / ".cache" / "pytest.log"))
+        (self.tree / ".cache" / "pytest.log").unlink(missing_ok=True)
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"mutation job in {self.tree} ended (exit {self.proc.wait()})")
+        out = json.loads(reply)
+        log_file = self.tree / ".cache" / "pytest.log"
+        log = log_file.read_text(errors="replace").strip().splitlines() if log_file.exists() else []
+        out["tail"] = [ln for ln in log if ln.startswith(("FAILED", "ERROR"))][:3] + log[-1:]
+        return out
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+# ---- the campaign --------------------------------------------------------------------------------------------
+class Campaign:
+    def __init__(self, args, files: list[str], work: Path):
+        self.args, self.files, self.work = args, files, work
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + 60 * args.minutes if args.minutes else math.inf
+        self.lock = threading.Lock()
+        self.results: list[dict] = []
+        self.info: dict[str, dict] = {}
+        self.queue: list[tuple] = []
+        self.baselines: list[str] = []  # files whose unmutated selection is still to run
+        self.ready: dict[str, threading.Event] = {}
+
+    def tests(self, f: str) -> str:
+        return self.args.tests or SELECTION.get(f, DEFAULT_TESTS)
+
+    def plan(self, mutants: dict[str, list], sources: dict[str, str]):
+        rng = random.Random(self.args.seed)
+        rerun = None
+        if self.args.rerun:
+            old = json.loads(Path(self.args.rerun).read_text())["results"]
+            rerun = {(r["file"], r["operator"], r["diff"]) for r in old if r["outcome"] == "survived"}
+        per_file = []
+        for f in self.files:
+            lines = sources[f].splitlines()
+            chosen, equivalent = [], []
+            for op, occ, line, col in mutants[f]:
+                (equivalent if pragma_equivalent(lines[line - 1], op) else chosen).append((f, op, occ, line, col))
+            if rerun is not None or self.args.match:
+                chosen = [m for m in chosen if self.wanted(rerun, sources[f], *m)]
+            if self.args.sample and len(chosen) > self.args.sample:
+                chosen = rng.sample(chosen, self.args.sample)
+            rng.shuffle(chosen)
+            self.info[f] = dict(mutants=len(mutants[f]), sampled=len(chosen), tests=self.tests(f))
+            self.results += [dict(file=f, operator=m[1], occurrence=m[2], line=m[3], outcome="equivalent",
+                                  diff=diff_body(sources[f], mutate(sources[f], m[1], m[2]) or ""))
+                             for m in equivalent]
+            per_file.append(chosen)
+        # round-robin over files: a cut at the deadline leaves each file a uniform sample of its own
+        for rnd in range(max(map(len, per_file), default=0)):
+            self.queue += [ms[rnd] for ms in per_file if rnd < len(ms)]
+        self.queue.reverse()  # popped from the end
+        self.baselines = [f for f, ms in zip(self.files, per_file) if ms or self.args.baseline_only]
+        if self.args.baseline_only:
+            self.queue = []
+        self.ready = {f: threading.Event() for f in self.baselines}
+
+    def wanted(self, rerun, source, f, op, occ, line, col) -> bool:
+        diff = diff_body(source, mutate(source, op, occ) or "")
+        return (rerun is None or (f, op, diff) in rerun) and \
+            (not self.args.match or bool(re.search(self.args.match, f"{f}:{line} {op}\n{diff}")))
+
+    def baseline(self, job: Job, f: str):
+        left = self.deadline - time.monotonic()
+        r = job.run(f, None, self.tests(f), min(self.args.baseline_timeout, left))
+        ok = r["rc"] == 0
+        timeout = self.args.timeout or max(60.0, 4 * r["seconds"])
+        with self.lock:
+            self.info[f].update(baseline_rc=r["rc"], baseline_s=round(r["seconds"], 1), timeout_s=round(timeout),
+                                baseline_ok=ok, baseline_tail=r["tail"] if not ok else [])
+        self.ready[f].set()
+        print(f"baseline {f}: {'ok' if ok else 'FAILED'} (exit {r['rc']}) in {r['seconds']:.1f} s", flush=True)
+
+    def worker(self, job: Job, sources: dict[str, str]):
+        while True:
+            with self.lock:
+                f = self.baselines.pop(0) if self.baselines else None
+            if f:
+                self.baseline(job, f)
+                continue
+            with self.lock:
+                if not self.queue:
+                    return
+                f, op, occ, line, col = self.queue.pop()
+            self.ready[f].wait()  # its baseline may be running in another job
+            info = self.info[f]
+            left = self.deadline - time.monotonic()
+            if not info["baseline_ok"] or left < info["baseline_s"]:
+                continue  # not run: a failing baseline, or no time left for it
+            with self.lock:  # parso, in cosmic-ray, is not known to be thread-safe
+                code = mutate(sources[f], op, occ)
+            res = dict(file=f, operator=op, occurrence=occ, line=line, col=col,
+                       diff=diff_body(sources[f], code or ""))
+            try:
+                compile(code or "", f, "exec")
+            except SyntaxError:
+                code = None
+            if code is None:
+                res.update(outcome="incompetent")
+            else:
+                r = job.run(f, code, info["tests"], min(info["timeout_s"], left))
+                if r["rc"] is None and left < info["timeout_s"]:
+                    continue  # stopped by the budget, not by its own timeout: not counted
+                res.update(outcome="timeout" if r["rc"] is None else "survived" if r["rc"] == 0 else "killed",
+                           rc=r["rc"], seconds=round(r["seconds"], 1), tail=r["tail"])
+            with self.lock:
+                self.results.append(res)
+                self.write()
+            print(f"{res['outcome']:>11} {f}:{line} {op}", flush=True)
+
+    def run(self, sources: dict[str, str]):
+        trees = [self.work / f"job{i}" for i in range(self.args.jobs)]
+        for t in trees[1:]:
+            shutil.copytree(trees[0], t)
+        jobs = [Job(t, self.args.max_examples) for t in trees]
+        threads = [threading.Thread(target=self.worker, args=(j, sources)) for j in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for j in jobs:
+            j.close()
+        with self.lock:
+            self.write()
+
+    # ---- report ----
+    def counts(self, f: str) -> dict:
+        c = {k: 0 for k in OUTCOMES}
+        for r in self.results:
+            if r["file"] == f:
+                c[r["outcome"]] += 1
+        return c
+
+    def write(self):
+        out = Path(self.args.out)
+        elapsed = time.monotonic() - self.t0
+        raw = dict(args={k: v for k, v in vars(self.args).items() if k != "files"}, elapsed_s=round(elapsed),
+                   files=self.info,
+                   results=self.results)
+        out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
+        out.write_text(self.render(elapsed))
+
+    def render(self, elapsed: float) -> str:
+        a = self.args
+        run_n = sum(1 for r in self.results if r["outcome"] != "equivalent")
+        how = (f"the survivors of `{a.rerun}`" if a.rerun else f"a seeded random sample of {a.sample} per file "
+               f"(seed {a.seed})" if a.sample else "every mutant")
+        lines = [f"Mutants: {how}; {a.jobs} jobs, {elapsed / 60:.1f} min"
+                 + (f" of a {a.minutes}-minute budget" if a.minutes else "")
+                 + f"; {run_n} run ({60 * run_n / max(elapsed, 1):.0f} a minute); ROPE_MAX_EXAMPLES={a.max_examples}, "
+                 "CPU interpreter profile. Score = (killed + timeout) / (killed + timeout + survived), "
+                 "95 % Wilson interval.", "",
+                 "| file | mutants | sampled | run | killed | timeout | survived | incompetent | equivalent (pragma) "
+                 "| score [95 % CI] | s baseline | s per mutant | tests |", "|" + "---|" * 13]
+        tot = {k: 0 for k in OUTCOMES}
+        weighted, weight = 0.0, 0
+        for f in self.files:
+            i, c = self.info.get(f, {}), self.counts(f)
+            tot = {k: tot[k] + c[k] for k in OUTCOMES}
+            n = c["killed"] + c["timeout"] + c["survived"]
+            secs = [r["seconds"] for r in self.results if r["file"] == f and "seconds" in r]
+            if not i.get("baseline_ok", True):
+                score = f"baseline failed (exit {i['baseline_rc']}): {'; '.join(i['baseline_tail'])}"
+            elif n:
+                lo, hi = wilson(n - c["survived"], n)
+                score = f"{(n - c['survived']) / n:.1%} [{lo:.0%}, {hi:.0%}]"
+                weighted, weight = weighted + i["mutants"] * (n - c["survived"]) / n, weight + i["mutants"]
+            else:
+                score = "-"
+            lines.append(f"| `{f}` | {i.get('mutants', '?')} | {i.get('sampled', '?')} | {n + c['incompetent']} | "
+                         f"{c['killed']} | {c['timeout']} | {c['survived']} | {c['incompetent']} | {c['equivalent']} | "
+                         f"{score} | {i.get('baseline_s', '-')} | {sum(secs) / len(secs) if secs else 0:.1f} | "
+                         f"`{i.get('tests', '')}` |")
+        n = tot["killed"] + tot["timeout"] + tot["survived"]
+        if n:
+            lo, hi = wilson(n - tot["survived"], n)
+            lines.append(f"| all (pooled) | {sum(i['mutants'] for i in self.info.values())} | "
+                         f"{sum(i['sampled'] for i in self.info.values())} | {n + tot['incompetent']} | {tot['killed']} | "
+                         f"{tot['timeout']} | {tot['survived']} | {tot['incompetent']} | {tot['equivalent']} | "
+                         f"{(n - tot['survived']) / n:.1%} [{lo:.0%}, {hi:.0%}]; weighted by mutants per file: "
+                         f"{weighted / weight:.1%} | | | |")
+        for f in self.files:
+            for kind in ("survived", "equivalent"):
+                rs = sorted((r for r in self.results if r["file"] == f and r["outcome"] == kind),
+                            key=lambda r: (r["line"], r["operator"]))
+                if rs:
+                    lines += ["", f"{'Survivors' if kind == 'survived' else 'Documented equivalents'} in `{f}`:", ""]
+                for r in rs:
+                    lines += [f"- line {r['line']}, {r['operator']} (occurrence {r['occurrence']}):", "", "  ```diff",
+                              *("  " + ln for ln in r["diff"].splitlines()), "  ```"]
+        return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.mutation", description=__doc__.split("\n")[0])
-    parser.add_argument("files", nargs="*", default=sorted(SELECTION), help="files of rope/ (default: all)")
+    parser.add_argument("files", nargs="*", help="files of rope/ (default: every rope/*.py)")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run in parallel, each job in its own copy")
+    parser.add_argument("--sample", type=int, default=None, help="K mutants per file, uniformly at random")
+    parser.add_argument("--seed", type=int, default=0, help="of the sample and of the order")
+    parser.add_argument("--minutes", type=float, default=None, help="budget of the whole run, all jobs")
+    parser.add_argument("--rerun", default=None, help="run only the survivors of this earlier JSON result")
+    parser.add_argument("--match", default=None, help="only mutants where this regex matches 'FILE:LINE OPERATOR\\nDIFF'")
     parser.add_argument("--tests", default=None, help="pytest arguments for every file (default: SELECTION)")
-    parser.add_argument("--out", default="mutation.md")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant's test run")
+    parser.add_argument("--out", default="mutation.md", help="markdown report; raw results beside it, .json")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per mutant (default max(60, 4 x baseline))")
+    parser.add_argument("--baseline-timeout", type=float, default=600.0, help="seconds for a file's unmutated run")
     parser.add_argument("--max-examples", type=int, default=5, help="Hypothesis examples per property")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="stop each file's campaign after this long and report the mutants done (partial)")
+    parser.add_argument("--baseline-only", action="store_true", help="only time each file's unmutated selection")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    results = []
+    if args.serve:
+        serve()
+        return 0
+    files = args.files or sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "rope").glob("*.py"))
     with tempfile.TemporaryDirectory(prefix="rope-mutation-") as tmp:
         work = Path(tmp)
-        copy_tree(work)
-        for module in args.files:
-            tests = args.tests or SELECTION.get(module, DEFAULT_TESTS)
-            budget = None if args.minutes is None else 60 * args.minutes
-            results.append(mutate_file(work, module, tests, args.timeout, args.max_examples, budget))
-            print(f"{module}: score {results[-1]['score']:.1%}", flush=True)
-    Path(args.out).write_text(render(results, args.max_examples))
-    print(f"wrote {args.out}")
+        copy_tree(work / "job0")
+        sources = {f: (work / "job0" / f).read_text() for f in files}
+        campaign = Campaign(args, files, work)
+        campaign.plan(list_mutants(work / "job0", files, work / "session.sqlite"), sources)
+        print(f"{len(campaign.queue)} mutants to run over {len(files)} files, {args.jobs} jobs", flush=True)
+        campaign.run(sources)
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}")
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     sys.exit(main())

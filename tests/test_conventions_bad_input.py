@@ -1,0 +1,147 @@
+"""Bad input to the conventions (rope.hf, rope.flash, rope.vllm, packed QKV, RoPECache): each case breaks one
+thing of a valid call; the call raises ValueError or TypeError naming the argument at fault, before any
+launch, and every input (in place ones included) keeps its values."""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+import rope
+
+from .cases import DEVICE
+
+OTHER_DEVICE = "cpu" if DEVICE != "cpu" else "meta"
+
+
+def _r(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=torch.float64).to(dtype).to(DEVICE)
+
+
+def hf_args(**change):
+    b, h, s, d = 2, 3, 5, 8
+    kw = dict(q=_r(b, h, s, d), k=_r(b, 1, s, d), cos=_r(b, s, d), sin=_r(b, s, d))
+    kw.update(change)
+    return rope.hf.apply_rotary_pos_emb, kw
+
+
+def flash_args(**change):
+    kw = dict(x=_r(2, 5, 3, 8), cos=_r(7, 3), sin=_r(7, 3))
+    kw.update(change)
+    return rope.flash.apply_rotary_emb, kw
+
+
+def flash_thd_args(**change):
+    kw = dict(x=_r(6, 3, 8), cos=_r(7, 3), sin=_r(7, 3),
+              cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE), max_seqlen=4)
+    kw.update(change)
+    return rope.flash.apply_rotary_emb, kw
+
+
+def vllm_args(**change):
+    t = 5
+    kw = dict(positions=torch.tensor([0, 3, 1, 9, 2], device=DEVICE), query=_r(t, 4 * 16), key=_r(t, 2 * 16),
+              head_size=16, cos_sin_cache=_r(10, 8), is_neox=True)
+    kw.update(change)
+    return rope.vllm.rotary_embedding, kw
+
+
+def qkv_args(**change):
+    kw = dict(qkv=_r(4, 2, 3, 8 + 4 + 4), q_freqs=_r(4, 1, 1, 4), k_freqs=_r(4, 1, 1, 4),
+              qkv_split_arg_list=[8, 4, 4])
+    kw.update(change)
+    return rope.apply_fused_qkv_rotary_pos_emb, kw
+
+
+CASES = [
+    # transformers
+    ("hf: cos of another length", hf_args, dict(cos=_r(2, 4, 8), sin=_r(2, 4, 8)), "cos"),
+    ("hf: cos of another batch", hf_args, dict(cos=_r(3, 5, 8), sin=_r(3, 5, 8)), "cos"),
+    ("hf: 2-D cos", hf_args, dict(cos=_r(5, 8), sin=_r(5, 8)), "cos"),
+    ("hf: sin of another dtype", hf_args, dict(sin=_r(2, 5, 8, dtype=torch.float16)), "sin"),
+    ("hf: integer cos", hf_args, dict(cos=torch.ones(2, 5, 8, dtype=torch.int32, device=DEVICE)), "cos"),
+    ("hf: cos on another device", hf_args, dict(cos=torch.ones(2, 5, 8, device=OTHER_DEVICE)), "cos"),
+    ("hf: k of another length", hf_args, dict(k=_r(2, 1, 4, 8)), "k"),
+    ("hf: 3-D q", hf_args, dict(q=_r(2, 3, 5)), "q"),
+    ("hf: odd head dim", hf_args, dict(q=_r(2, 3, 5, 7), k=_r(2, 1, 5, 7), cos=_r(2, 5, 7), sin=_r(2, 5, 7)), "q"),
+    ("hf: unsqueeze_dim 3", hf_args, dict(unsqueeze_dim=3), "unsqueeze_dim"),
+    # flash-attention
+    ("flash: odd rotary width table", flash_args, dict(cos=_r(7, 5), sin=_r(7, 5)), "cos"),
+    ("flash: 3-D cos", flash_args, dict(cos=_r(7, 3, 1), sin=_r(7, 3, 1)), "cos"),
+    ("flash: sin of another shape", flash_args, dict(sin=_r(6, 3)), "sin"),
+    ("flash: table shorter than seqlen", flash_args, dict(cos=_r(4, 3), sin=_r(4, 3)), "cos"),
+    ("flash: int offset past the table", flash_args, dict(seqlen_offsets=8), "seqlen_offsets"),
+    ("flash: offsets reaching past the table", flash_args,
+     dict(seqlen_offsets=torch.tensor([0, 3], device=DEVICE)), "cos"),
+    ("flash: negative offsets", flash_args, dict(seqlen_offsets=torch.tensor([0, -1], device=DEVICE)),
+     "seqlen_offsets"),
+    ("flash: offsets of another length", flash_args, dict(seqlen_offsets=torch.tensor([0], device=DEVICE)),
+     "seqlen_offsets"),
+    ("flash: float offsets", flash_args, dict(seqlen_offsets=torch.zeros(2, device=DEVICE)), "seqlen_offsets"),
+    ("flash: offsets on another device", flash_args,
+     dict(seqlen_offsets=torch.zeros(2, dtype=torch.int64, device=OTHER_DEVICE)), "seqlen_offsets"),
+    ("flash: cu_seqlens total short", flash_thd_args, dict(cu_seqlens=torch.tensor([0, 2, 5], device=DEVICE)),
+     "cu_seqlens"),
+    ("flash: cu_seqlens decreasing", flash_thd_args, dict(cu_seqlens=torch.tensor([0, 4, 2, 6], device=DEVICE)),
+     "cu_seqlens"),
+    ("flash: varlen sequence past the table", flash_thd_args, dict(cu_seqlens=torch.tensor([0, 6], device=DEVICE),
+                                                                   cos=_r(5, 3), sin=_r(5, 3)), "cos"),
+    ("flash: inplace on an expanded x", flash_args, dict(x=_r(1, 5, 3, 8).expand(2, 5, 3, 8), inplace=True), "x"),
+    # vLLM
+    ("vllm: position past the cache", vllm_args, dict(positions=torch.tensor([0, 3, 1, 10, 2], device=DEVICE)),
+     "positions"),
+    ("vllm: negative position", vllm_args, dict(positions=torch.tensor([0, -1, 1, 2, 2], device=DEVICE)),
+     "positions"),
+    ("vllm: float positions", vllm_args, dict(positions=torch.zeros(5, device=DEVICE)), "positions"),
+    ("vllm: positions on another device", vllm_args, dict(positions=torch.zeros(5, dtype=torch.int64,
+                                                                                device=OTHER_DEVICE)), "positions"),
+    ("vllm: query of other tokens", vllm_args, dict(query=_r(4, 64)), "query"),
+    ("vllm: query not a multiple of head_size", vllm_args, dict(query=_r(5, 60)), "query"),
+    ("vllm: key of another dtype", vllm_args, dict(key=_r(5, 32, dtype=torch.float16)), "key"),
+    ("vllm: cache wider than head_size", vllm_args, dict(cos_sin_cache=_r(10, 18)), "cos_sin_cache"),
+    ("vllm: odd cache width", vllm_args, dict(cos_sin_cache=_r(10, 7)), "cos_sin_cache"),
+    ("vllm: 1-D cache", vllm_args, dict(cos_sin_cache=_r(80)), "cos_sin_cache"),
+    ("vllm: integer cache", vllm_args, dict(cos_sin_cache=torch.ones(10, 8, dtype=torch.int64, device=DEVICE)),
+     "cos_sin_cache"),
+    ("vllm: is_neox not a bool", vllm_args, dict(is_neox=1), "is_neox"),
+    ("vllm: head_size 0", vllm_args, dict(head_size=0), "head_size"),
+    # TransformerEngine's packed QKV
+    ("qkv: split not summing to the last dim", qkv_args, dict(qkv_split_arg_list=[8, 4, 3]), "qkv_split_arg_list"),
+    ("qkv: nq not a multiple of nk", qkv_args, dict(qkv=_r(4, 2, 3, 6 + 4 + 4), qkv_split_arg_list=[6, 4, 4]),
+     "qkv_split_arg_list"),
+    ("qkv: thd", qkv_args, dict(tensor_format="thd"), "tensor_format"),
+    ("qkv: q_freqs too short", qkv_args, dict(q_freqs=_r(3, 1, 1, 4)), "freqs"),
+]
+
+
+def _snapshot(kw):
+    return {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor) and v.device.type != "meta"}
+
+
+@pytest.mark.parametrize("name,args,change,arg", CASES, ids=[c[0] for c in CASES])
+def test_rejected_before_launch(name, args, change, arg):
+    fn, kw = args()
+    fn(**kw)  # the valid call runs
+    fn, kw = args(**change)
+    before = _snapshot(kw)
+    with mock.patch.object(rope._launch, "run", side_effect=AssertionError("launched")):
+        with pytest.raises((ValueError, TypeError)) as err:
+            fn(**kw)
+    assert any(a in str(err.value) for a in arg.split("|")), f"message does not name {arg}: {err.value}"
+    for k, v in before.items():
+        assert torch.equal(kw[k], v), f"{k} changed"
+
+
+def test_cache_rejects_bad_tables():
+    with pytest.raises(ValueError, match="sin"):
+        rope.RoPECache(_r(4, 8), _r(4, 6))
+    with pytest.raises(TypeError, match="cos"):
+        rope.RoPECache(torch.ones(4, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cos"):
+        rope.RoPECache(_r(4, 7), _r(4, 7))
+    cache = rope.RoPECache.from_freqs(_r(6, 1, 1, 8))
+    with pytest.raises(ValueError, match="freqs"):
+        cache.update_(_r(5, 1, 1, 8))
+    with pytest.raises(ValueError, match="freqs: too short"):
+        rope.apply_rotary_pos_emb(_r(7, 1, 2, 8), cache)
