@@ -32,6 +32,7 @@ class Case:
     start_max: int = 0  # > 0: per-sequence start positions drawn from [0, start_max) (decode)
     hk: int = 0  # > 0: a q/k case, k with hk heads (q has h)
     inplace: bool = False
+    hf: bool = False  # a q/k case in transformers' layout: [b, h, s, d] views of [b, s, h, d] memory, cos/sin gathered
 
     @property
     def d2(self) -> int:
@@ -39,7 +40,7 @@ class Case:
 
     @property
     def kind(self) -> str:
-        return "qk" if self.hk else "inplace" if self.inplace else "t"
+        return "hf" if self.hf else "qk" if self.hk else "inplace" if self.inplace else "t"
 
     def _shape(self, h) -> tuple:
         if self.fmt == "thd":
@@ -103,6 +104,10 @@ CASES = [
     Case("qk_mqa_decode", "sbhd", 1, 64, 32, 128, "bf16", hk=1, start_max=4096),  # launch-bound
     Case("qk_thd_short", "thd", 0, 1, 32, 128, "bf16", hk=8, seqlens=(8,) * 2048),
     Case("llama_inplace", "sbhd", 4096, **_LLAMA, dtype="bf16", inplace=True),
+    # transformers' layout, Llama-style (32 q heads, 8 kv heads): rope.hf against Liger, q and k in one launch
+    *(Case(f"hf_b{b}_s{s}", "bshd", s, b, 32, 128, "bf16", hk=8, hf=True) for b, s in ((1, 1), (8, 128), (1, 4096),
+                                                                                        (8, 4096))),
+    Case("hf_decode", "bshd", 1, 64, 32, 128, "bf16", hk=8, hf=True, start_max=4096),  # launch-bound
 ]
 
 

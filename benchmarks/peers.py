@@ -112,6 +112,15 @@ class OursInplace(Impl):
         return Bound([work], fn, None)
 
 
+class OursCache(Ours):
+    """`freqs` replaced by a `rope.RoPECache` of it: the table path, also inside a capture."""
+    name = "ours_cache"
+
+    def call(self, inputs):
+        cache = rope.RoPECache.from_freqs(inputs.freqs)
+        return lambda x: rope.apply_rotary_pos_emb(x, cache, *inputs.args[1:], cu_seqlens=inputs.cu_seqlens)
+
+
 class Reference(Impl):
     name, kinds = "reference", frozenset({"t", "qk"})
 
@@ -193,6 +202,55 @@ class FlashAttention(Impl):
                      lambda outs: [native(outs[0])], lambda grads: [native(grads[0])])
 
 
+class OursFlash(FlashAttention):
+    """`rope.flash.apply_rotary_emb`, fed exactly as flash-attention is."""
+    name, candidates, ours = "ours_flash", (), True
+
+    def unsupported(self, case):
+        return None
+
+    def load(self):
+        return rope.flash.apply_rotary_emb
+
+
+def hf_inputs(inputs, t, g):
+    """q, k as transformers has them: [b, h, s, d] views of [b, s, h, d] memory (a projection, viewed and
+    transposed), and cos/sin [1 or b, s, d] in the tensors' dtype, gathered at the case's positions."""
+    c, f = inputs.case, inputs.freqs[:, 0, 0, :]
+    if inputs.start_positions is not None:
+        angles = f[inputs.start_positions.long()[:, None] + torch.arange(c.s, device=f.device)]  # [b, s, d]
+    else:
+        angles = f[None, : c.s]
+    dtype = t[0].dtype
+    cos, sin = torch.cos(angles).to(dtype).contiguous(), torch.sin(angles).to(dtype).contiguous()
+    return cos, sin, [x.transpose(1, 2) for x in t], None if g is None else [x.transpose(1, 2) for x in g]
+
+
+def _to_case(xs):
+    return [x.transpose(1, 2) for x in xs]
+
+
+class OursHF(Impl):
+    name, kinds, ours = "ours_hf", frozenset({"hf"}), True
+
+    def bind(self, inputs, t, g=None):
+        cos, sin, xs, gs = hf_inputs(inputs, t, g)
+        return Bound(xs, lambda q, k: list(rope.hf.apply_rotary_pos_emb(q, k, cos, sin)), gs, _to_case, _to_case)
+
+
+class LigerHF(Impl):
+    """Liger-Kernel's `liger_rotary_pos_emb` in its own layout; it writes q and k in place, so each call
+    rotates copies made once (untimed), as in a model where q and k are fresh projections."""
+    name, kinds = "liger_hf", frozenset({"hf"})
+    candidates = ("liger_kernel.transformers.rope:liger_rotary_pos_emb",)
+
+    def bind(self, inputs, t, g=None):
+        cos, sin, xs, gs = hf_inputs(inputs, t, g)
+        xs = [x.detach().transpose(1, 2).clone().transpose(1, 2).requires_grad_(x.requires_grad) for x in xs]
+        fn = self.load()
+        return Bound(xs, lambda q, k: list(fn(q, k, cos, sin)), gs, _to_case, _to_case)
+
+
 class Liger(Impl):
     name, candidates = "liger", ("liger_kernel.transformers.rope:liger_rotary_pos_emb",)
 
@@ -226,5 +284,5 @@ class Liger(Impl):
                      lambda outs: canon([o.transpose(1, 2) for o in outs]), canon)
 
 
-IMPLS = {i.name: i for i in (Ours, OursQK, OursTwice, OursInplace, Reference, Compiled, TransformerEngine,
-                             FlashAttention, Liger)}
+IMPLS = {i.name: i for i in (Ours, OursCache, OursQK, OursTwice, OursInplace, OursHF, OursFlash, Reference, Compiled,
+                             TransformerEngine, FlashAttention, Liger, LigerHF)}
