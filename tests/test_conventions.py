@@ -23,6 +23,19 @@ from .strategies import scaled_examples
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def head_dim(data, label="head dim"):
+    """Any even width under the interpreter; on a GPU, where every width is a new compilation, those of models."""
+    if DEVICE == "cuda":
+        return data.draw(st.sampled_from((64, 80, 128)), label=label)
+    return 2 * data.draw(st.integers(1, 12), label=label + "/2")
+
+
+def rotary_width(data, d, label="rotary width"):
+    if DEVICE == "cuda":
+        return data.draw(st.sampled_from((d, d // 2)), label=label)
+    return 2 * data.draw(st.integers(1, d // 2), label=label + "/2")
+
+
 def oracle(x, cos, sin, interleaved):
     """Float64 rotation of x[..., :d2] by per-channel cos/sin (broadcast to it; d2 = their last size), from the
     pair definitions: half-split pairs (i, i + d2/2), interleaved pairs (2i, 2i + 1)."""
@@ -80,7 +93,7 @@ def _hf_matches_oracle(data):
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     b, s = data.draw(st.integers(1, 3), label="b"), data.draw(st.integers(1, 6), label="s")
     hq, hk = data.draw(st.integers(1, 4), label="q heads"), data.draw(st.integers(1, 3), label="k heads")
-    d = 2 * data.draw(st.integers(1, 12), label="d/2")
+    d = head_dim(data)
     unsqueeze_dim = data.draw(st.sampled_from((1, 2)), label="unsqueeze_dim")
     cos_b = data.draw(st.sampled_from((1, b)), label="cos batch")
     cdt = data.draw(st.sampled_from((dtype, torch.float32)), label="cos dtype")
@@ -141,8 +154,8 @@ def _flash_matches_oracle(data):
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     interleaved = data.draw(st.booleans(), label="interleaved")
     inplace = data.draw(st.booleans(), label="inplace")
-    h, d = data.draw(st.integers(1, 4), label="h"), 2 * data.draw(st.integers(1, 12), label="d/2")
-    rot = 2 * data.draw(st.integers(1, d // 2), label="rotary_dim/2")
+    h, d = data.draw(st.integers(1, 4), label="h"), head_dim(data)
+    rot = rotary_width(data, d)
     varlen = data.draw(st.booleans(), label="varlen")
     if varlen:
         lengths = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=4), label="lengths")
@@ -206,8 +219,8 @@ def test_vllm_matches_oracle(data):
     is_neox = data.draw(st.booleans(), label="is_neox")
     n_tokens = data.draw(st.integers(0, 9), label="tokens")
     hq, hk = data.draw(st.integers(1, 4), label="q heads"), data.draw(st.integers(1, 3), label="k heads")
-    head_size = 2 * data.draw(st.integers(1, 12), label="head_size/2")
-    rot = 2 * data.draw(st.integers(1, head_size // 2), label="rotary_dim/2")
+    head_size = head_dim(data, "head_size")
+    rot = rotary_width(data, head_size)
     rows = data.draw(st.integers(1, 24), label="max_position")
     with_key = data.draw(st.booleans(), label="key")
     batched = data.draw(st.booleans(), label="positions [b, s]")
