@@ -142,11 +142,15 @@ def _build_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_r
         c = (cu[(seq + 1).clamp_(max=n_seqs)] - start) // 2
         pos = torch.where(pos < c, pos + cp_rank * c, pos - c + (2 * cp_size - 1 - cp_rank) * c)
     # A token past the last sequence (value checks off) has no position: NaN in the kernel.
-    pos = torch.where(seq < n_seqs, pos, -1)
-    return pos, pos
+    return torch.where(seq < n_seqs, pos, -1)
 
 
 def token_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_rank: int):
     """The position table for `cu_seqlens` (built on first use), or None where none may be used."""
-    return _cached(cu_seqlens, (id(cu_seqlens), n_tokens, cp_size, cp_rank), _build_positions, n_tokens, cp_size,
+    return _cached(cu_seqlens, (id(cu_seqlens), n_tokens, cp_size, cp_rank), _position_entry, n_tokens, cp_size,
                    cp_rank)
+
+
+def _position_entry(*args):
+    table = _build_positions(*args)
+    return table, table  # (memory, what the kernel reads): the same tensor

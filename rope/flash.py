@@ -12,8 +12,16 @@ import torch
 from . import reference
 from ._apply import apply, kernel_runs
 from ._launch import Angles, token_index_for
-from ._validate import (Call, Layout, call_for, check_inplace, check_positions, check_rotary_width, check_tables,
-                        _check_index_tensor)
+from ._validate import (
+    Call,
+    Layout,
+    _check_index_tensor,
+    call_for,
+    check_inplace,
+    check_positions,
+    check_rotary_width,
+    check_tables,
+)
 
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
@@ -58,19 +66,20 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     if inplace:
         check_inplace("x", x)
     layout = Layout(s, b, x.shape[-2], d, rot, rows, n_seqs)
+    names = ("cos", "seqlen_offsets")  # for the messages of the position checks
     if not kernel_runs(x):
-        check_positions(layout, fmt, start, cu_seqlens, 1, 0, ("cos", "seqlen_offsets"))
+        check_positions(layout, fmt, start, cu_seqlens, 1, 0, names)
         pos = reference.token_positions(layout, fmt, start, cu_seqlens, 1, 0, x.device)
         full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
         out = reference.rotate_rows(x, *full, pos, fmt, interleaved)
         return x.copy_(out) if inplace else out
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    key = ("flash", x.shape, x.stride(), x.dtype, x.device, fmt, rot, rows, interleaved,
-           None if start is None else (start.shape, start.dtype), None if cu_seqlens is None else (cu_seqlens.shape, cu_seqlens.dtype))
+    index_keys = [None if v is None else (v.shape, v.dtype) for v in (start, cu_seqlens)]
+    key = ("flash", x.shape, x.stride(), x.dtype, x.device, fmt, rot, rows, interleaved, *index_keys)
     call = call_for(key, lambda: Call(layout, fmt, interleaved, start, cu_seqlens, 1, 0))
     if call.checks_values:
-        check_positions(layout, fmt, start, cu_seqlens, 1, 0, ("cos", "seqlen_offsets"))
+        check_positions(layout, fmt, start, cu_seqlens, 1, 0, names)
     token_index, pos_table = token_index_for(call, cu_seqlens)
     angles = Angles(cos, sin, rows, cos.stride(0), 0, cos.stride(1), True, True)
     return apply((x,), call, angles, start, token_index, pos_table, inplace)[0]

@@ -6,8 +6,8 @@ import torch
 from . import _ops, reference
 from ._apply import _RoPEFunction, apply
 from ._launch import INTERPRET, angles_for, rotate, table_angles, token_index_for
-from .cache import RoPECache
 from ._validate import check_disjoint, check_inplace, check_pair, check_positions, check_static, checked_call
+from .cache import RoPECache
 
 
 def _state(call, freqs, cache, start_positions, cu_seqlens, inplace):

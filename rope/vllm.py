@@ -13,8 +13,17 @@ import torch
 from . import reference
 from ._apply import apply, kernel_runs
 from ._launch import Angles
-from ._validate import (Call, Layout, call_for, check_disjoint, check_inplace, check_positions_in,
-                        check_rotary_width, check_tables, check_token_positions)
+from ._validate import (
+    Call,
+    Layout,
+    call_for,
+    check_disjoint,
+    check_inplace,
+    check_positions_in,
+    check_rotary_width,
+    check_tables,
+    check_token_positions,
+)
 
 
 def _heads(name, x, positions, head_size):
@@ -58,7 +67,7 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
         raise ValueError(f"key: expected the dtype and device of query ({q.dtype}, {q.device}), got "
                          f"{k.dtype}, {k.device}")
     ts = (q,) if k is None else (q, k)
-    for name, x in zip(("query", "key"), ts):
+    for name, x in zip(("query", "key")[:len(ts)], ts, strict=True):
         check_inplace(name, x)
     if k is not None:
         check_disjoint(q, k)

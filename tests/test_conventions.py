@@ -56,7 +56,7 @@ def oracle(x, cos, sin, interleaved):
 
 def oracle_grad(g, cos, sin, interleaved):
     """The adjoint of `oracle` applied to g (autograd through it, float64)."""
-    x = torch.zeros(g.shape, dtype=torch.float64, requires_grad=True)
+    x = torch.zeros(g.shape, dtype=torch.float64, device=g.device, requires_grad=True)
     oracle(x, cos, sin, interleaved).backward(g.double())
     return x.grad
 
@@ -185,8 +185,8 @@ def _flash_matches_oracle(data):
     x0 = x.clone()
     g = randn(x.shape, dtype, gen)
     xg = x.clone().requires_grad_() if not inplace else x.clone().requires_grad_().clone()
-    out = rope.flash.apply_rotary_emb(xg, cos, sin, interleaved=interleaved, inplace=inplace, seqlen_offsets=seqlen_offsets,
-                                      cu_seqlens=cu, max_seqlen=s if varlen else None)
+    out = rope.flash.apply_rotary_emb(xg, cos, sin, interleaved=interleaved, inplace=inplace,
+                                      seqlen_offsets=seqlen_offsets, cu_seqlens=cu, max_seqlen=s if varlen else None)
     assert (out is xg) == inplace
     assert_within_rounding(out, want, x, rot, interleaved, "forward")
     out.backward(g)

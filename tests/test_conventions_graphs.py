@@ -40,7 +40,8 @@ def test_graphs_follow_tables_and_positions_changed_in_place():
     n_tokens, hq, hk, hs, rot, rows = 37, 4, 2, 64, 32, 100
     positions = torch.randint(0, rows, (n_tokens,), generator=gen).to(DEVICE)
     cache = torch.empty(rows, rot, device=DEVICE)
-    q_in, k_in = _r(n_tokens, hq * hs, gen=gen, dtype=torch.bfloat16), _r(n_tokens, hk * hs, gen=gen, dtype=torch.bfloat16)
+    q_in = _r(n_tokens, hq * hs, gen=gen, dtype=torch.bfloat16)
+    k_in = _r(n_tokens, hk * hs, gen=gen, dtype=torch.bfloat16)
     # transformers: cos/sin per batch entry
     b, s, h, d = 2, 9, 4, 64
     hq_in, hk_in = _r(b, h, s, d, gen=gen), _r(b, 1, s, d, gen=gen)
@@ -65,7 +66,7 @@ def test_graphs_follow_tables_and_positions_changed_in_place():
         f_cos.copy_(th.cos())
         f_sin.copy_(th.sin())
         offsets.copy_(torch.randint(0, 13, (3,), generator=gen))
-        new = _angles(12, 48, gen).view(12, 1, 1, 48)
+        new = _angles(12, 48, gen).view(12, 1, 1, 48).float()  # the angles the cache is made of
         rcache.update_(new)
         return new
 
@@ -83,7 +84,7 @@ def test_graphs_follow_tables_and_positions_changed_in_place():
         graph.replay()
         torch.cuda.synchronize()
         eager = step()
-        for i, (got, want) in enumerate(zip(outs, eager)):
+        for i, (got, want) in enumerate(zip(outs, eager, strict=True)):
             assert torch.equal(got, want), f"output {i}, replay {replay}: the replay read other values"
         # and the eager values are right: the oracle on the new tables
         pos = torch.arange(8, device=DEVICE)[None, :] + offsets[:, None].long()

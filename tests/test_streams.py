@@ -116,6 +116,7 @@ def test_source_freed_while_another_stream_reads(streams, source):
     src = (freqs if source == "freqs" else cu).clone()
     kw_src = dict(kw, cu_seqlens=src) if source == "cu_seqlens" else kw
     f_src = src if source == "freqs" else freqs
+    s1.wait_stream(torch.cuda.current_stream())  # src is written on this stream
     with torch.cuda.stream(s1):
         rope.apply_rotary_pos_emb(t, f_src, **kw_src)  # builds the table on s1
     ref = _reference(t, f_src, **kw_src)
