@@ -78,7 +78,7 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
         for x in ts:
             x.copy_(reference.rotate_rows(x, *full, flat.long(), "thd", interleaved))
         return None
-    key_ = ("vllm", q.shape, q.dtype, q.device, rot, rows, interleaved, flat.dtype)
+    key_ = ("vllm", q.shape, q.stride(), q.dtype, q.device, rot, rows, interleaved, flat.dtype)
     call = call_for(key_, lambda: Call(Layout(n_tokens, 1, q.shape[1], head_size, rot, rows, 0), "thd",
                                        interleaved, None, None, 1, 0))
     angles = Angles(cos, sin, rows, cos_sin_cache.stride(0), 0, cos_sin_cache.stride(1), True, True)

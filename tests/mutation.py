@@ -1,32 +1,35 @@
 """Mutation testing of rope/ (cosmic-ray's operators) against a fast selection of the CPU suite, a score per file.
 
-    python -m tests.mutation [rope/FILE.py ...] [--jobs N] [--sample K] [--minutes M] [--seed S]
-                             [--out mutation.md] [--tests "PYTEST ARGS"] [--rerun OLD.json]
+    python -m tests.mutation [rope/FILE.py ...] [--jobs N] [--sample K] [--seed S] [--minutes M] [--out mutation.md]
+                             [--rerun OLD.json] [--match REGEX] [--tests "PYTEST ARGS"] [--baseline-only]
 
-Files: every rope/*.py found at run time, unless named. The tree is copied once per job (`--jobs`, default 1)
-to a temporary directory: mutants are written there, never here. cosmic-ray `init` lists every mutant of the files
-(operator, occurrence, position); `--sample K` takes K of each file's mutants, uniformly at random (`--seed`), else
-all are run; `--rerun OLD.json` runs only the survivors of an earlier run (matched by file, operator and diff).
-Mutants are queued round-robin over the files, so that a run cut short by `--minutes` (the whole budget, all jobs)
-still leaves each file a uniform random sample; a mutant that does not finish in time is not counted.
+Files: every rope/*.py found at run time, unless named. The tree is copied once per job (`--jobs`, default 1) to a
+temporary directory: mutants are written there, never here. cosmic-ray's `init` lists every mutant of the files
+(operator, occurrence, position) in a session database; `--sample K` takes K of each file's mutants, uniformly at
+random (`--seed`), else all run; `--rerun OLD.json` runs only the survivors of an earlier run (matched by file,
+operator and diff), `--match` only the mutants whose 'FILE:LINE OPERATOR' and diff match. Mutants are queued
+round-robin over the files, so that a run cut short by `--minutes` (the budget of the whole run, all jobs) still
+leaves each file a uniform random sample; a mutant that does not finish in time is not counted.
 
 Each job is a Python process in its own copy that imports torch, triton, hypothesis and pytest once (most of a
 pytest start) and forks per mutant: it writes the mutant into its copy, the child runs the file's SELECTION
-(`pytest -x`, ROPE_MAX_EXAMPLES Hypothesis examples per property, CPU interpreter profile: TRITON_INTERPRET=1,
-no CUDA device), and the file is restored. The selection first runs once on the unmutated copy (baseline): a file
-whose baseline fails is reported and its mutants are not run; its time sets the mutants' timeout (--timeout,
-default max(60 s, 4 x baseline)).
+(`pytest -x`, ROPE_MAX_EXAMPLES Hypothesis examples per property unless the selection sets it, no shrinking; the
+CPU interpreter profile: TRITON_INTERPRET=1, no CUDA device), and the file is restored. Each file's selection
+first runs once unmutated (baseline; `--baseline-only`: only that): a file whose baseline fails is reported and its
+mutants are not run; its time sets the mutants' timeout (--timeout, default max(60 s, 4 x baseline)).
 
 Outcomes: killed (the selection fails, or the mutant crashes or cannot be imported), timeout, survived (passes),
 incompetent (cosmic-ray made no valid Python). Score = (killed + timeout) / (killed + timeout + survived), with a
 95 % Wilson interval, since it is a sample. A mutant on a line marked `# pragma: no mutate` (or
-`# pragma: no mutate: OPERATOR, ...`, cosmic-ray's names) is a documented equivalent: listed, not run.
+`# pragma: no mutate: OPERATOR, ...`, cosmic-ray's names) is a documented equivalent: listed, not run. A survivor
+inside a type annotation of a module that never evaluates them (`from __future__ import annotations`) is marked.
 Writes --out (markdown: the scores, every survivor with operator, line and diff) and --out with .json (raw results),
 both rewritten after each mutant.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import json
 import math
@@ -46,25 +49,72 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PYTEST = "-x -q -n 0 -p no:cacheprovider"
 FAST = "tests/test_suite_catches_bugs.py::test_perturbed_reference_without_hooks_is_the_reference"
-# file -> the tests that exercise it, fast (the kernel ones run Triton's interpreter: slower, fewer examples)
+
+
+def nodes(file: str, *tests: str) -> str:
+    """Node ids of tests in tests/FILE (a name with its parameters in brackets: that case alone), shell-quoted."""
+    return " ".join(shlex.quote(f"tests/{file}::{t}") for t in tests)
+
+
+# Parts of the CPU suite, each quick (seconds to tens of seconds here, through Triton's interpreter), and each
+# running the code it is named for. PROPS: the headline property, 16 pinned edge cases (every format, dtype, mode,
+# partial rotation, layout) and 3 x ROPE_MAX_EXAMPLES drawn ones, forward and backward against float64.
+PROPS = nodes("test_properties.py", "test_matches_float64_reference")
+KERNEL = nodes("test_core.py", "test_odd_sizes", "test_program_order_covers_every_row", "test_thd_table_programs",
+               "test_empty", "test_output_strides_are_contiguous", "test_thd_many_sequences[table-4-(3, 2)-False]",
+               "test_any_strides[interleaved-thd-sliced]", "test_any_strides[halfsplit-bshd-transposed]",
+               "test_long_context_angles[torch.bfloat16-thd]") + " " + \
+    nodes("test_properties.py", "test_every_output_element_is_written")
+API = nodes("test_core.py", "test_fused_false_is_reference", "test_signature_matches_transformer_engine",
+            "test_freqs_dtype_upcast", "test_value_checks_off_never_reads_past_freqs",
+            "test_value_checks_off_tokens_past_the_last_sequence",
+            "test_value_checks_run_once_per_unmodified_index_tensor", "test_index_range_is_checked",
+            "test_launch_hooks_are_detected", "test_repeated_calls_launch_directly",
+            "test_functorch_transforms_refuse_cleanly", "test_more_than_2_pow_31_elements", "test_table_tile_rule")
+QK = nodes("test_qk_inplace.py", "test_qk_is_one_launch_each_way", "test_qk_gradient_of_one_output_only",
+           "test_qk_bad_pairs", "test_inplace_autograd", "test_inplace_qk", "test_inplace_rejects_overlapping_and_leaf",
+           "test_inplace_qk_disjoint_views_of_one_buffer_and_aliasing",
+           "test_qk_matches_two_calls_and_float64[table-thd-interleaved-2-4-cp]",
+           "test_qk_matches_two_calls_and_float64[evaluated-bshd-interleaved-4-2-start]")
+CONVENTIONS = "tests/test_conventions.py"
+# file -> its selection; a selection may begin with NAME=VALUE settings of the child's environment
 SELECTION = {
-    "rope/reference.py": f"tests/test_reference_meta.py {FAST}",
-    "rope/_table.py": "tests/test_angle_table.py tests/test_position_table.py",
+    "rope/reference.py": f"tests/test_reference_meta.py {FAST} "
+                         + nodes("test_core.py", "test_fused_false_is_reference")
+                         + " " + nodes("test_conventions.py", "test_cache_in_place_of_freqs"),
+    "rope/_table.py": "tests/test_angle_table.py "
+                      + nodes("test_position_table.py", "test_positions_follow_the_spec",
+                              "test_position_table_is_reused_and_never_stale",
+                              "test_thd_positions_from_the_table[table-(2, 1)-False]"),
     "rope/embedding.py": "tests/test_core.py -k 'embedding or Embedding'",
-    "rope/_validate.py": "tests/test_bad_input.py tests/test_core.py",
-    "rope/functional.py": "tests/test_core.py tests/test_qk_inplace.py",
-    "rope/_launch.py": "tests/test_core.py tests/test_properties.py::test_matches_float64_reference",
-    "rope/_kernel.py": "tests/test_core.py tests/test_properties.py::test_matches_float64_reference",
-    "rope/_ops.py": "tests/test_compile.py",
+    "rope/_validate.py": f"tests/test_bad_input.py {QK} {API} {CONVENTIONS} {PROPS} "
+                         + nodes("test_qk_inplace.py", "test_same_stride_overlap_decision_is_exact")
+                         + " " + nodes("test_core.py", "test_empty"),
+    "rope/functional.py": f"{API} {QK} {CONVENTIONS} {PROPS}",
+    "rope/_apply.py": f"{API} {QK} {PROPS}",
+    "rope/_launch.py": f"{PROPS} {KERNEL} {API} {QK}",
+    "rope/_kernel.py": f"{PROPS} {KERNEL} {QK}",
+    "rope/_ops.py": nodes("test_compile.py", "test_opcheck", "test_compiled_errors_on_bad_input",
+                          "test_fullgraph_matches_eager_and_never_recompiles[interleaved-sbhd]",
+                          "test_fullgraph_matches_eager_and_never_recompiles[halfsplit-thd]"),
+    "rope/cache.py": f"{CONVENTIONS} -k 'cache or Cache'",
+    "rope/hf.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} -k hf",
+    "rope/flash.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} -k flash",
+    "rope/vllm.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} -k vllm",
 }
-DEFAULT_TESTS = "tests/test_core.py tests/test_properties.py::test_matches_float64_reference"  # any other file
+DEFAULT_TESTS = f"{PROPS} {API} {QK}"  # a file not named above
 OUTCOMES = ("killed", "timeout", "survived", "incompetent", "equivalent")
 
 
 def copy_tree(dst: Path):
-    """The files git knows here (tracked, and untracked but not ignored): the tree as it is, without .venv."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                            capture_output=True).stdout.decode().split("\0")
+    """The files git knows here (tracked, and untracked but not ignored): the tree as it is, without .venv. Where
+    there is no git repository (a copy of the tree), everything but hidden folders, caches and builds."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                                capture_output=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(".*", "__pycache__", "*.egg-info", "build", "dist"))
+        return
     for rel in filter(None, listed):
         if (ROOT / rel).is_file():
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -103,6 +153,20 @@ def pragma_equivalent(line: str, operator: str) -> bool:
     return bool(m) and (not m.group(1) or operator in {s.strip() for s in m.group(1).split(",")})
 
 
+def annotation_spans(source: str) -> list[tuple]:
+    """(start, end) positions of the type annotations of a module that never evaluates them (`from __future__
+    import annotations`): a mutant there is equivalent unless something reads them (torch.library.custom_op does)."""
+    if "from __future__ import annotations" not in source:
+        return []
+    spans = []
+    for n in ast.walk(ast.parse(source)):
+        for a in ([n.returns] if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) else []) + \
+                ([n.annotation] if isinstance(n, (ast.arg, ast.AnnAssign)) else []):
+            if a is not None:
+                spans.append(((a.lineno, a.col_offset), (a.end_lineno, a.end_col_offset)))
+    return spans
+
+
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     if n == 0:
         return math.nan, math.nan
@@ -129,14 +193,31 @@ def serve():
             path.write_text(req["code"])
         t0 = time.monotonic()
         try:
-            rc = run_forked(pytest, req["args"], req["timeout"], req["log"])
+            rc = run_forked(pytest, req["args"], req["env"], req["timeout"], req["log"])
         finally:
             path.write_text(original)
         print(json.dumps({"rc": rc, "seconds": time.monotonic() - t0}), flush=True)
 
 
-def run_forked(pytest, args: list[str], timeout: float, log: str) -> int | None:
-    """pytest.main(args) in a forked child of its own session; its exit code (negative: a signal), None: timeout."""
+class NoShrink:
+    """pytest plugin: Hypothesis stops at the first failing example (no shrinking): the mutant is killed all the
+    same, and a shrink can take minutes of interpreted launches. The profile keeps its name (tests/strategies.py
+    sizes shapes by it)."""
+
+    @staticmethod
+    def pytest_configure(config):
+        from hypothesis import Phase, settings
+
+        name = settings.get_current_profile_name() if hasattr(settings, "get_current_profile_name") \
+            else settings._current_profile
+        settings.register_profile(name, settings.get_profile(name),
+                                  phases=[Phase.explicit, Phase.reuse, Phase.generate])
+        settings.load_profile(name)
+
+
+def run_forked(pytest, args: list[str], env: dict, timeout: float, log: str) -> int | None:
+    """pytest.main(args) in a forked child of its own session, with `env` added to its environment; its exit code
+    (negative: a signal), or None when it ran past `timeout` seconds."""
     pid = os.fork()
     if pid == 0:
         rc = 70
@@ -146,7 +227,8 @@ def run_forked(pytest, args: list[str], timeout: float, log: str) -> int | None:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-            rc = int(pytest.main(args))
+            os.environ.update(env)
+            rc = int(pytest.main(args, plugins=[NoShrink()]))
         except BaseException:  # noqa: B036 - the child must reach os._exit whatever happens
             import traceback
             traceback.print_exc()
@@ -180,8 +262,10 @@ class Job:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def run(self, file: str, code: str | None, tests: str, timeout: float) -> dict:
-        req = dict(file=file, code=code, args=shlex.split(f"{PYTEST} {tests}"), timeout=timeout,
-                   log=str(self.tree / ".cache" / "pytest.log"))
+        words = shlex.split(f"{tests} {PYTEST}")  # a selection may begin with NAME=VALUE settings, as in a shell
+        env = dict(w.split("=", 1) for w in words if re.match(r"[A-Z_]+=", w))
+        req = dict(file=file, code=code, args=[w for w in words if not re.match(r"[A-Z_]+=", w)], env=env,
+                   timeout=timeout, log=str(self.tree / ".cache" / "pytest.log"))
         (self.tree / ".cache" / "pytest.log").unlink(missing_ok=True)
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
@@ -211,12 +295,12 @@ class Campaign:
         self.queue: list[tuple] = []
         self.baselines: list[str] = []  # files whose unmutated selection is still to run
         self.ready: dict[str, threading.Event] = {}
+        self.annotations: dict[str, list] = {}
 
     def tests(self, f: str) -> str:
         return self.args.tests or SELECTION.get(f, DEFAULT_TESTS)
 
     def plan(self, mutants: dict[str, list], sources: dict[str, str]):
-        rng = random.Random(self.args.seed)
         rerun = None
         if self.args.rerun:
             old = json.loads(Path(self.args.rerun).read_text())["results"]
@@ -229,6 +313,7 @@ class Campaign:
                 (equivalent if pragma_equivalent(lines[line - 1], op) else chosen).append((f, op, occ, line, col))
             if rerun is not None or self.args.match:
                 chosen = [m for m in chosen if self.wanted(rerun, sources[f], *m)]
+            rng = random.Random(f"{self.args.seed}:{f}")  # a file's sample does not depend on the other files
             if self.args.sample and len(chosen) > self.args.sample:
                 chosen = rng.sample(chosen, self.args.sample)
             rng.shuffle(chosen)
@@ -237,11 +322,12 @@ class Campaign:
                                   diff=diff_body(sources[f], mutate(sources[f], m[1], m[2]) or ""))
                              for m in equivalent]
             per_file.append(chosen)
+            self.annotations[f] = annotation_spans(sources[f])
         # round-robin over files: a cut at the deadline leaves each file a uniform sample of its own
         for rnd in range(max(map(len, per_file), default=0)):
             self.queue += [ms[rnd] for ms in per_file if rnd < len(ms)]
         self.queue.reverse()  # popped from the end
-        self.baselines = [f for f, ms in zip(self.files, per_file) if ms or self.args.baseline_only]
+        self.baselines = [f for f, ms in zip(self.files, per_file, strict=True) if ms or self.args.baseline_only]
         if self.args.baseline_only:
             self.queue = []
         self.ready = {f: threading.Event() for f in self.baselines}
@@ -252,14 +338,17 @@ class Campaign:
             (not self.args.match or bool(re.search(self.args.match, f"{f}:{line} {op}\n{diff}")))
 
     def baseline(self, job: Job, f: str):
-        left = self.deadline - time.monotonic()
-        r = job.run(f, None, self.tests(f), min(self.args.baseline_timeout, left))
-        ok = r["rc"] == 0
-        timeout = self.args.timeout or max(60.0, 4 * r["seconds"])
-        with self.lock:
-            self.info[f].update(baseline_rc=r["rc"], baseline_s=round(r["seconds"], 1), timeout_s=round(timeout),
-                                baseline_ok=ok, baseline_tail=r["tail"] if not ok else [])
-        self.ready[f].set()
+        r = dict(rc="(the job ended)", seconds=0.0, tail=[])
+        try:
+            r = job.run(f, None, self.tests(f), min(self.args.baseline_timeout, self.deadline - time.monotonic()))
+        finally:  # also when the job failed: the file's mutants are then not run
+            ok = r["rc"] == 0
+            with self.lock:
+                self.info[f].update(baseline_ok=ok, baseline_rc=r["rc"], baseline_s=round(r["seconds"], 1),
+                                    baseline_tail=[] if ok else r["tail"],
+                                    timeout_s=round(self.args.timeout or max(60.0, 4 * r["seconds"])))
+                self.write()
+            self.ready[f].set()
         print(f"baseline {f}: {'ok' if ok else 'FAILED'} (exit {r['rc']}) in {r['seconds']:.1f} s", flush=True)
 
     def worker(self, job: Job, sources: dict[str, str]):
@@ -281,7 +370,8 @@ class Campaign:
             with self.lock:  # parso, in cosmic-ray, is not known to be thread-safe
                 code = mutate(sources[f], op, occ)
             res = dict(file=f, operator=op, occurrence=occ, line=line, col=col,
-                       diff=diff_body(sources[f], code or ""))
+                       diff=diff_body(sources[f], code) if code else "",
+                       in_annotation=any(tuple(a) <= (line, col) < tuple(b) for a, b in self.annotations[f]))
             try:
                 compile(code or "", f, "exec")
             except SyntaxError:
@@ -315,70 +405,66 @@ class Campaign:
             self.write()
 
     # ---- report ----
-    def counts(self, f: str) -> dict:
-        c = {k: 0 for k in OUTCOMES}
-        for r in self.results:
-            if r["file"] == f:
-                c[r["outcome"]] += 1
-        return c
-
     def write(self):
-        out = Path(self.args.out)
-        elapsed = time.monotonic() - self.t0
+        out, elapsed = Path(self.args.out), time.monotonic() - self.t0
         raw = dict(args={k: v for k, v in vars(self.args).items() if k != "files"}, elapsed_s=round(elapsed),
-                   files=self.info,
-                   results=self.results)
+                   files=self.info, results=self.results)
         out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
         out.write_text(self.render(elapsed))
 
+    @staticmethod
+    def score(results: list) -> float | None:
+        n = sum(r["outcome"] in ("killed", "timeout", "survived") for r in results)
+        return 1 - sum(r["outcome"] == "survived" for r in results) / n if n else None
+
+    def row(self, name: str, results: list, info: dict, note: str = "") -> str:
+        """A line of the table."""
+        c = {k: sum(r["outcome"] == k for r in results) for k in OUTCOMES}
+        n = c["killed"] + c["timeout"] + c["survived"]
+        secs = [r["seconds"] for r in results if "seconds" in r]
+        lo, hi = wilson(n - c["survived"], n)
+        text = f"{self.score(results):.1%}{note} [{lo:.0%}, {hi:.0%}]" if n else "-"
+        if not info.get("baseline_ok", True):
+            text = f"baseline failed (exit {info['baseline_rc']}): {'; '.join(info['baseline_tail'])}"
+        cells = [name, info.get("mutants", "?"), info.get("sampled", "?"), n + c["incompetent"],
+                 *(c[k] for k in OUTCOMES), text, info.get("baseline_s", ""),
+                 f"{sum(secs) / len(secs):.1f}" if secs else ""]
+        return "| " + " | ".join(map(str, cells)) + " |"
+
     def render(self, elapsed: float) -> str:
         a = self.args
-        run_n = sum(1 for r in self.results if r["outcome"] != "equivalent")
-        how = (f"the survivors of `{a.rerun}`" if a.rerun else f"a seeded random sample of {a.sample} per file "
-               f"(seed {a.seed})" if a.sample else "every mutant")
-        lines = [f"Mutants: {how}; {a.jobs} jobs, {elapsed / 60:.1f} min"
-                 + (f" of a {a.minutes}-minute budget" if a.minutes else "")
-                 + f"; {run_n} run ({60 * run_n / max(elapsed, 1):.0f} a minute); ROPE_MAX_EXAMPLES={a.max_examples}, "
-                 "CPU interpreter profile. Score = (killed + timeout) / (killed + timeout + survived), "
-                 "95 % Wilson interval.", "",
+        run_n = sum(r["outcome"] != "equivalent" for r in self.results)
+        how = (f"the survivors of `{a.rerun}`" if a.rerun else
+               f"a seeded random sample of up to {a.sample} per file (seed {a.seed})" if a.sample else "every mutant")
+        lines = [f"Mutants: {how}{f', matching `{a.match}`' if a.match else ''}; {a.jobs} jobs, "
+                 f"{elapsed / 60:.1f} min{f' of a {a.minutes}-minute budget' if a.minutes else ''}; {run_n} run "
+                 f"({60 * run_n / max(elapsed, 1):.0f} a minute); ROPE_MAX_EXAMPLES={a.max_examples} unless the "
+                 "selection sets it, CPU interpreter profile. Score = (killed + timeout) / (killed + timeout + "
+                 "survived), 95 % Wilson interval.", "",
                  "| file | mutants | sampled | run | killed | timeout | survived | incompetent | equivalent (pragma) "
-                 "| score [95 % CI] | s baseline | s per mutant | tests |", "|" + "---|" * 13]
-        tot = {k: 0 for k in OUTCOMES}
-        weighted, weight = 0.0, 0
+                 "| score [95 % CI] | s baseline | s per mutant |", "|" + "---|" * 12]
+        weighted = []  # (mutants in the file, its score): the total estimated as if every file were run whole
         for f in self.files:
-            i, c = self.info.get(f, {}), self.counts(f)
-            tot = {k: tot[k] + c[k] for k in OUTCOMES}
-            n = c["killed"] + c["timeout"] + c["survived"]
-            secs = [r["seconds"] for r in self.results if r["file"] == f and "seconds" in r]
-            if not i.get("baseline_ok", True):
-                score = f"baseline failed (exit {i['baseline_rc']}): {'; '.join(i['baseline_tail'])}"
-            elif n:
-                lo, hi = wilson(n - c["survived"], n)
-                score = f"{(n - c['survived']) / n:.1%} [{lo:.0%}, {hi:.0%}]"
-                weighted, weight = weighted + i["mutants"] * (n - c["survived"]) / n, weight + i["mutants"]
-            else:
-                score = "-"
-            lines.append(f"| `{f}` | {i.get('mutants', '?')} | {i.get('sampled', '?')} | {n + c['incompetent']} | "
-                         f"{c['killed']} | {c['timeout']} | {c['survived']} | {c['incompetent']} | {c['equivalent']} | "
-                         f"{score} | {i.get('baseline_s', '-')} | {sum(secs) / len(secs) if secs else 0:.1f} | "
-                         f"`{i.get('tests', '')}` |")
-        n = tot["killed"] + tot["timeout"] + tot["survived"]
-        if n:
-            lo, hi = wilson(n - tot["survived"], n)
-            lines.append(f"| all (pooled) | {sum(i['mutants'] for i in self.info.values())} | "
-                         f"{sum(i['sampled'] for i in self.info.values())} | {n + tot['incompetent']} | {tot['killed']} | "
-                         f"{tot['timeout']} | {tot['survived']} | {tot['incompetent']} | {tot['equivalent']} | "
-                         f"{(n - tot['survived']) / n:.1%} [{lo:.0%}, {hi:.0%}]; weighted by mutants per file: "
-                         f"{weighted / weight:.1%} | | | |")
+            results = [r for r in self.results if r["file"] == f]
+            lines.append(self.row(f"`{f}`", results, self.info.get(f, {})))
+            if self.score(results) is not None:
+                weighted.append((self.info[f]["mutants"], self.score(results)))
+        total = dict(mutants=sum(i["mutants"] for i in self.info.values()),
+                     sampled=sum(i["sampled"] for i in self.info.values()))
+        note = f" (weighted by mutants per file: {sum(m * s for m, s in weighted) / sum(m for m, _ in weighted):.1%})" \
+            if weighted else ""
+        lines.append(self.row("all (pooled)", self.results, total, note))
         for f in self.files:
-            for kind in ("survived", "equivalent"):
+            for kind, title in (("survived", "Survivors"), ("equivalent", "Documented equivalents")):
                 rs = sorted((r for r in self.results if r["file"] == f and r["outcome"] == kind),
-                            key=lambda r: (r["line"], r["operator"]))
-                if rs:
-                    lines += ["", f"{'Survivors' if kind == 'survived' else 'Documented equivalents'} in `{f}`:", ""]
+                            key=lambda r: (r["line"], r["operator"], r["occurrence"]))
+                lines += ["", f"{title} in `{f}`:", ""] if rs else []
                 for r in rs:
-                    lines += [f"- line {r['line']}, {r['operator']} (occurrence {r['occurrence']}):", "", "  ```diff",
-                              *("  " + ln for ln in r["diff"].splitlines()), "  ```"]
+                    note = " (in a type annotation, never evaluated in this module)" if r.get("in_annotation") else ""
+                    lines += [f"- line {r['line']}, {r['operator']} (occurrence {r['occurrence']}){note}:", "",
+                              "  ```diff", *("  " + ln for ln in r["diff"].splitlines()), "  ```"]
+        lines += ["", "Selections (pytest arguments, with `-x -q -n 0`):", ""]
+        lines += [f"- `{f}`: `{self.info[f]['tests']}`" for f in self.files if f in self.info]
         return "\n".join(lines) + "\n"
 
 
@@ -390,10 +476,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="of the sample and of the order")
     parser.add_argument("--minutes", type=float, default=None, help="budget of the whole run, all jobs")
     parser.add_argument("--rerun", default=None, help="run only the survivors of this earlier JSON result")
-    parser.add_argument("--match", default=None, help="only mutants where this regex matches 'FILE:LINE OPERATOR\\nDIFF'")
+    parser.add_argument("--match", default=None, help="only mutants where this regex finds 'FILE:LINE OPERATOR\\nDIFF'")
     parser.add_argument("--tests", default=None, help="pytest arguments for every file (default: SELECTION)")
     parser.add_argument("--out", default="mutation.md", help="markdown report; raw results beside it, .json")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per mutant (default max(60, 4 x baseline))")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds a mutant (default: max(60, 4 x baseline))")
     parser.add_argument("--baseline-timeout", type=float, default=600.0, help="seconds for a file's unmutated run")
     parser.add_argument("--max-examples", type=int, default=5, help="Hypothesis examples per property")
     parser.add_argument("--baseline-only", action="store_true", help="only time each file's unmutated selection")
