@@ -36,9 +36,6 @@ _PROGRAMS_PER_SM = 8
 _TABLE_ROWS = 8
 _TABLE_ROWS_SMALL = 16
 _TABLE_ROWS_SMALL_BYTES_PER_SM = 16384
-# ... and where a group is one token's heads (decode, per-batch tables, thd), up to 64 rows: one program per
-# token, a single round trip to memory, as small tensors are latency-bound.
-_TABLE_ROWS_TOKEN = 64
 _TABLE_THD_BYTES = 4096
 _POS_TABLE_THD_BYTES = 2048
 _TABLE_BYTES_PER_THREAD = 32
@@ -167,9 +164,8 @@ def _table_tile(tensor_bytes: int, device, spans_batch: bool) -> tuple:
     sms = _sm_count(device)
     if tensor_bytes > sms * _THREADS_PER_SM * _TABLE_BYTES_PER_THREAD:
         return _TABLE_ROWS, _TABLE_BYTES_PER_THREAD
-    if tensor_bytes > sms * _TABLE_ROWS_SMALL_BYTES_PER_SM:
-        return _TABLE_ROWS, _TABLE_BYTES_PER_THREAD_SMALL
-    return (_TABLE_ROWS_SMALL if spans_batch else _TABLE_ROWS_TOKEN), _TABLE_BYTES_PER_THREAD_SMALL
+    tiny = spans_batch and tensor_bytes <= sms * _TABLE_ROWS_SMALL_BYTES_PER_SM
+    return (_TABLE_ROWS_SMALL if tiny else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD_SMALL
 
 
 def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int, table_tile):
@@ -258,9 +254,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     row_bytes = x.element_size() * layout.d if tensor_format == "thd" and layout.n_seqs >= _SEARCH_FANOUT else 0
     tensor_bytes = sum(t.numel() for t in tensors) * x.element_size()
     table_tile = _table_tile(tensor_bytes, x.device, spans_batch) if table else None
-    # a table tile may hold rows of q and k (one program per token); the others tile q's and k's rows apart
     block_r, block_half, block_tail, num_warps = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(),
-                                                       rows if table else max(q_rows, k_rows), table_tile)
+                                                       max(q_rows, k_rows), table_tile)
     rows_per_program = _rows_per_program(n_groups, rows, block_r, spans_batch, x.element_size(),
                                          layout.rot_dim == layout.d, table, x.device,
                                          row_bytes, pos_table)

@@ -7,9 +7,10 @@ Files: every rope/*.py found at run time, unless named. The tree is copied once 
 temporary directory: mutants are written there, never here. cosmic-ray's `init` lists every mutant of the files
 (operator, occurrence, position) in a session database; `--sample K` takes K of each file's mutants, uniformly at
 random (`--seed`), else all run; `--rerun OLD.json` runs only the survivors of an earlier run (matched by file,
-operator and diff), `--match` only the mutants whose 'FILE:LINE OPERATOR' and diff match. Mutants are queued
-round-robin over the files, so that a run cut short by `--minutes` (the budget of the whole run, all jobs) still
-leaves each file a uniform random sample; a mutant that does not finish in time is not counted.
+operator and diff), `--match REGEX` only the mutants where it finds 'FILE:LINE OPERATOR LINE-TEXT' (the line's
+source). Mutants are queued round-robin over the files, so that a run cut short by `--minutes` (the budget of the
+whole run, all jobs) still leaves each file a uniform random sample; a mutant that does not finish in time is not
+counted.
 
 Each job is a Python process in its own copy that imports torch, triton, hypothesis and pytest once (most of a
 pytest start) and forks per mutant: it writes the mutant into its copy, the child runs the file's SELECTION
@@ -305,14 +306,19 @@ class Campaign:
         if self.args.rerun:
             old = json.loads(Path(self.args.rerun).read_text())["results"]
             rerun = {(r["file"], r["operator"], r["diff"]) for r in old if r["outcome"] == "survived"}
+            rerun_ops = {(f, op) for f, op, _ in rerun}
         per_file = []
         for f in self.files:
             lines = sources[f].splitlines()
             chosen, equivalent = [], []
             for op, occ, line, col in mutants[f]:
                 (equivalent if pragma_equivalent(lines[line - 1], op) else chosen).append((f, op, occ, line, col))
-            if rerun is not None or self.args.match:
-                chosen = [m for m in chosen if self.wanted(rerun, sources[f], *m)]
+            if self.args.match:
+                chosen = [m for m in chosen
+                          if re.search(self.args.match, f"{f}:{m[3]} {m[1]} {lines[m[3] - 1].strip()}")]
+            if rerun is not None:
+                chosen = [m for m in chosen if (f, m[1]) in rerun_ops and
+                          (f, m[1], diff_body(sources[f], mutate(sources[f], m[1], m[2]) or "")) in rerun]
             rng = random.Random(f"{self.args.seed}:{f}")  # a file's sample does not depend on the other files
             if self.args.sample and len(chosen) > self.args.sample:
                 chosen = rng.sample(chosen, self.args.sample)
@@ -331,11 +337,6 @@ class Campaign:
         if self.args.baseline_only:
             self.queue = []
         self.ready = {f: threading.Event() for f in self.baselines}
-
-    def wanted(self, rerun, source, f, op, occ, line, col) -> bool:
-        diff = diff_body(source, mutate(source, op, occ) or "")
-        return (rerun is None or (f, op, diff) in rerun) and \
-            (not self.args.match or bool(re.search(self.args.match, f"{f}:{line} {op}\n{diff}")))
 
     def baseline(self, job: Job, f: str):
         r = dict(rc="(the job ended)", seconds=0.0, tail=[])
@@ -476,7 +477,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="of the sample and of the order")
     parser.add_argument("--minutes", type=float, default=None, help="budget of the whole run, all jobs")
     parser.add_argument("--rerun", default=None, help="run only the survivors of this earlier JSON result")
-    parser.add_argument("--match", default=None, help="only mutants where this regex finds 'FILE:LINE OPERATOR\\nDIFF'")
+    parser.add_argument("--match", default=None, help="only mutants where it finds 'FILE:LINE OPERATOR LINE-TEXT'")
     parser.add_argument("--tests", default=None, help="pytest arguments for every file (default: SELECTION)")
     parser.add_argument("--out", default="mutation.md", help="markdown report; raw results beside it, .json")
     parser.add_argument("--timeout", type=float, default=None, help="seconds a mutant (default: max(60, 4 x baseline))")
