@@ -410,8 +410,8 @@ def test_thd_many_sequences(fanout, cp, start, angle_source, monkeypatch, poison
 
 def test_table_tile_rule(monkeypatch):
     """Tensors small enough to be in flight at once (32 bytes per resident thread) get 16-byte
-    accesses, and up to 16 KB per SM tiles of up to 16 rows where a group spans the batch, up to 64 where
-    it is one token's heads; larger ones 32-byte accesses and 8-row tiles (docs/design.md)."""
+    accesses, and up to 16 KB per SM tiles of up to 16 rows where a group spans the batch; larger
+    ones 32-byte accesses and 8-row tiles (docs/design.md)."""
     from rope import _launch
 
     gpu = torch.device("cuda", 0)
@@ -421,9 +421,8 @@ def test_table_tile_rule(monkeypatch):
     try:
         tiny = 132 * _launch._TABLE_ROWS_SMALL_BYTES_PER_SM
         assert _launch._table_tile(tiny, gpu, True) == (16, 16)
-        assert _launch._table_tile(tiny, gpu, False) == (64, 16)  # a token's heads (decode, thd)
+        assert _launch._table_tile(tiny, gpu, False) == (8, 16)  # a token's heads (decode, thd)
         assert _launch._table_tile(tiny + 1, gpu, True) == (8, 16)
-        assert _launch._table_tile(tiny + 1, gpu, False) == (8, 16)
         assert _launch._table_tile(limit, gpu, True) == (8, 16)
         assert _launch._table_tile(limit + 1, gpu, True) == (8, 32)
     finally:
