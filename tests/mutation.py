@@ -77,7 +77,7 @@ QK = nodes("test_qk_inplace.py", "test_qk_is_one_launch_each_way", "test_qk_grad
            "test_inplace_qk_disjoint_views_of_one_buffer_and_aliasing",
            "test_qk_matches_two_calls_and_float64[table-thd-interleaved-2-4-cp]",
            "test_qk_matches_two_calls_and_float64[evaluated-bshd-interleaved-4-2-start]")
-CONVENTIONS = "tests/test_conventions.py"
+CONVENTIONS = "tests/test_conventions.py tests/test_conventions_bad_input.py"
 # file -> its selection; a selection may begin with NAME=VALUE settings of the child's environment
 SELECTION = {
     "rope/reference.py": f"tests/test_reference_meta.py {FAST} "
@@ -87,7 +87,7 @@ SELECTION = {
                       + nodes("test_position_table.py", "test_positions_follow_the_spec",
                               "test_position_table_is_reused_and_never_stale",
                               "test_thd_positions_from_the_table[table-(2, 1)-False]"),
-    "rope/embedding.py": "tests/test_core.py -k 'embedding or Embedding'",
+    "rope/embedding.py": "tests/test_core.py tests/test_conventions.py -k 'embedding or Embedding'",
     "rope/_validate.py": f"tests/test_bad_input.py {QK} {API} {CONVENTIONS} {PROPS} "
                          + nodes("test_qk_inplace.py", "test_same_stride_overlap_decision_is_exact")
                          + " " + nodes("test_core.py", "test_empty"),

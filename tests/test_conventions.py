@@ -329,3 +329,55 @@ def test_cache_update_follows_new_freqs():
     assert cache.cos.data_ptr() == cos_ptr  # in place: a captured graph reads the new values
     torch.testing.assert_close(rope.apply_rotary_pos_emb(t, cache), rope.apply_rotary_pos_emb(t, other),
                                rtol=2**-20, atol=2**-20)
+
+
+def test_hf_sin_with_other_strides_than_cos(poison_outputs):  # noqa: F811
+    """cos and sin are read through one set of strides: a sin laid out otherwise is still read right."""
+    gen = torch.Generator().manual_seed(8)
+    q, k = randn((2, 3, 5, 16), torch.float32, gen), randn((2, 1, 5, 16), torch.float32, gen)
+    half_c, half_s = angles_table(10, 8, torch.float32, gen)
+    cos = per_pair(half_c, False).view(2, 5, 16)
+    sin = per_pair(half_s, False).view(2, 5, 16).transpose(0, 2).contiguous().transpose(0, 2)  # other strides
+    assert cos.stride() != sin.stride()
+    qo, ko = rope.hf.apply_rotary_pos_emb(q, k, cos, sin)
+    for x, out in ((q, qo), (k, ko)):
+        assert_within_rounding(out, oracle(x, cos[:, None], sin[:, None], False), x, 16, False, "forward")
+
+
+@pytest.mark.parametrize("convention", ["hf", "flash", "vllm"])
+def test_conventions_launch_the_kernel_only_where_it_runs(convention, monkeypatch):
+    """On a GPU, or under Triton's interpreter, each convention launches the kernel (once: q and k
+    together); on a CPU without the interpreter it computes the reference and launches nothing."""
+    gen = torch.Generator().manual_seed(2)
+    launches = []
+    real = rope._launch.run
+    monkeypatch.setattr(rope._launch, "run", lambda *a: (launches.append(1), real(*a))[1])
+
+    def call():
+        if convention == "hf":
+            ang = torch.rand(1, 4, 8, generator=gen).to(DEVICE)
+            return rope.hf.apply_rotary_pos_emb(randn((1, 2, 4, 8), torch.float32, gen),
+                                                randn((1, 1, 4, 8), torch.float32, gen), ang.cos(), ang.sin())
+        if convention == "flash":
+            cos, sin = angles_table(4, 4, torch.float32, gen)
+            return rope.flash.apply_rotary_emb(randn((1, 4, 2, 8), torch.float32, gen), cos, sin)
+        cos, sin = angles_table(4, 4, torch.float32, gen)
+        return rope.vllm.rotary_embedding(torch.arange(3, device=DEVICE), randn((3, 16), torch.float32, gen),
+                                          randn((3, 8), torch.float32, gen), 8, torch.cat([cos, sin], -1), True)
+
+    call()
+    assert len(launches) == 1
+    if DEVICE == "cpu":
+        monkeypatch.setattr(rope._apply, "INTERPRET", False)
+        launches.clear()
+        call()
+        assert launches == []
+
+
+def test_embedding_rotary_width_rules():
+    assert rope.RotaryPositionEmbedding(8, rotary_percent=1.5).dim == 8  # only a fraction below 1 narrows it
+    assert rope.RotaryPositionEmbedding(8, rotary_percent=0.5).dim == 4
+    for percent in (0.1, 0.3):  # widths 0 and 2 * 0.3 * 8 -> 2 (int(2.4)): 0 is refused
+        if int(8 * percent) < 2:
+            with pytest.raises(ValueError, match="dim"):
+                rope.RotaryPositionEmbedding(8, rotary_percent=percent)

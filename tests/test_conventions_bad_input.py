@@ -128,7 +128,8 @@ def test_rejected_before_launch(name, args, change, arg):
     with mock.patch.object(rope._launch, "run", side_effect=AssertionError("launched")):
         with pytest.raises((ValueError, TypeError)) as err:
             fn(**kw)
-    assert any(a in str(err.value) for a in arg.split("|")), f"message does not name {arg}: {err.value}"
+    named = any(str(err.value).startswith(f"{a}:") for a in arg.split("|"))
+    assert named, f"message does not begin with {arg}: {err.value}"
     for k, v in before.items():
         assert torch.equal(kw[k], v), f"{k} changed"
 

@@ -223,3 +223,21 @@ def test_same_stride_overlap_decision_is_exact(seed):
 
     truth = bool(elements(shape_q, 0) & elements(shape_k, delta))
     assert _same_stride_views_overlap(shape_q, shape_k, strides, delta) == truth
+
+
+def test_inplace_qk_backward_leaves_the_upstream_gradients():
+    """In place applies to the forward only: the backward writes new gradients and never rotates the
+    upstream gradients it is given."""
+    gen = torch.Generator().manual_seed(4)
+    leaf_q = torch.randn(3, 2, 4, 8, generator=gen).to(DEVICE).requires_grad_()
+    leaf_k = torch.randn(3, 2, 2, 8, generator=gen).to(DEVICE).requires_grad_()
+    freqs = (torch.rand(3, 1, 1, 8, generator=gen) * 6).to(DEVICE)
+    qo, ko = rope.apply_rotary_pos_emb_qk(leaf_q * 1, leaf_k * 1, freqs, inplace=True)
+    gq, gk = torch.randn(qo.shape, generator=gen).to(DEVICE), torch.randn(ko.shape, generator=gen).to(DEVICE)
+    gq0, gk0 = gq.clone(), gk.clone()
+    torch.autograd.backward((qo, ko), (gq, gk))
+    assert torch.equal(gq, gq0) and torch.equal(gk, gk0), "an upstream gradient was overwritten"
+    for leaf, g in ((leaf_q, gq0), (leaf_k, gk0)):
+        x64 = leaf.detach().double().requires_grad_()
+        rope.reference.apply_rotary_pos_emb(x64, freqs).backward(g.double())
+        torch.testing.assert_close(leaf.grad.double(), x64.grad, rtol=2**-20, atol=2**-20)
