@@ -94,7 +94,7 @@ SELECTION = {
     "rope/functional.py": f"{API} {QK} {CONVENTIONS} {PROPS}",
     "rope/_apply.py": f"{API} {QK} {PROPS}",
     "rope/_launch.py": f"{PROPS} {KERNEL} {API} {QK}",
-    "rope/_kernel.py": f"{PROPS} {KERNEL} {QK}",
+    "rope/_kernel.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS}",
     "rope/_ops.py": nodes("test_compile.py", "test_opcheck", "test_compiled_errors_on_bad_input",
                           "test_fullgraph_matches_eager_and_never_recompiles[interleaved-sbhd]",
                           "test_fullgraph_matches_eager_and_never_recompiles[halfsplit-thd]"),

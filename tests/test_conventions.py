@@ -375,9 +375,20 @@ def test_conventions_launch_the_kernel_only_where_it_runs(convention, monkeypatc
 
 
 def test_embedding_rotary_width_rules():
+    theta = rope.RotaryPositionEmbedding(8)(3)[:, 0, 0]
+    assert torch.equal(theta[:, :4], theta[:, 4:])  # half-split layout by default
     assert rope.RotaryPositionEmbedding(8, rotary_percent=1.5).dim == 8  # only a fraction below 1 narrows it
     assert rope.RotaryPositionEmbedding(8, rotary_percent=0.5).dim == 4
     for percent in (0.1, 0.3):  # widths 0 and 2 * 0.3 * 8 -> 2 (int(2.4)): 0 is refused
         if int(8 * percent) < 2:
             with pytest.raises(ValueError, match="dim"):
                 rope.RotaryPositionEmbedding(8, rotary_percent=percent)
+
+
+def test_flash_varlen_empty_batch():
+    """cu_seqlens = [0]: no sequences, no tokens; a new empty tensor."""
+    gen = torch.Generator().manual_seed(0)
+    cos, sin = angles_table(4, 4, torch.float32, gen)
+    x = randn((0, 2, 8), torch.float32, gen)
+    out = rope.flash.apply_rotary_emb(x, cos, sin, cu_seqlens=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    assert out.shape == x.shape and out is not x

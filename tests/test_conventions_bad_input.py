@@ -110,6 +110,8 @@ CASES = [
     ("qkv: split not summing to the last dim", qkv_args, dict(qkv_split_arg_list=[8, 4, 3]), "qkv_split_arg_list"),
     ("qkv: nq not a multiple of nk", qkv_args, dict(qkv=_r(4, 2, 3, 6 + 4 + 4), qkv_split_arg_list=[6, 4, 4]),
      "qkv_split_arg_list"),
+    ("qkv: an empty v part", qkv_args, dict(qkv=_r(4, 2, 3, 12), qkv_split_arg_list=[8, 4, 0]),
+     "qkv_split_arg_list"),
     ("qkv: thd", qkv_args, dict(tensor_format="thd"), "tensor_format"),
     ("qkv: q_freqs too short", qkv_args, dict(q_freqs=_r(3, 1, 1, 4)), "freqs"),
 ]
