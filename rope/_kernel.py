@@ -104,14 +104,31 @@ def _sequence_of(token, cu_ptr, n_seqs, cp_size, FANOUT: tl.constexpr):
 
 
 @triton.jit
-def _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps,
-              IS_THD: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr, FANOUT: tl.constexpr,
-              POS_TABLE: tl.constexpr):
+def _stream_of_pair(BLOCK_HALF: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr, SEC1: tl.constexpr,
+                    SEC2: tl.constexpr):
+    """Multimodal RoPE (docs/contract.md section 7b): the position stream (0, 1 or 2) each rotary pair
+    reads. MROPE 1: sections of SEC0, SEC1 and SEC2 consecutive pairs; MROPE 2 (Qwen3-VL's interleaved
+    layout): pair k reads stream k % 3 while k < 3 * SEC[k % 3], stream 0 beyond."""
+    k = tl.arange(0, BLOCK_HALF)
+    if MROPE == 1:
+        return (k >= SEC0).to(tl.int64) + (k >= SEC0 + SEC1).to(tl.int64)
+    m = k % 3
+    return tl.where((m == 1) & (k < 3 * SEC1), 1, tl.where((m == 2) & (k < 3 * SEC2), 2, 0)).to(tl.int64)
+
+
+@triton.jit
+def _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps, stride_pb, stride_pm,
+              stream, IS_THD: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr, FANOUT: tl.constexpr,
+              POS_TABLE: tl.constexpr, MROPE: tl.constexpr):
     """Position of the group's token(s) (docs/contract.md section 3). POS_TABLE: cu_ptr holds one
     position per token (a caller's `positions`, or `rope._table`'s table built from cu_seqlens), read
-    instead of searching cu_seqlens."""
+    instead of searching cu_seqlens, at s_idx * stride_ps + b_idx * stride_pb; with MROPE, one per pair
+    from the pair's `stream` (rows stride_pm apart)."""
     if POS_TABLE:
-        pos = tl.load(cu_ptr + s_idx * stride_ps, eviction_policy="evict_last").to(tl.int64)
+        at = cu_ptr + s_idx * stride_ps + b_idx * stride_pb
+        if MROPE:
+            at += stream * stride_pm
+        pos = tl.load(at, eviction_policy="evict_last").to(tl.int64)
     else:
         if IS_THD:
             seq_idx, seq_start, length = _sequence_of(s_idx, cu_ptr, n_seqs, cp_size, FANOUT)
@@ -146,21 +163,25 @@ def _pair_columns(ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HALF: 
 
 
 @triton.jit
-def _angles(freqs_ptr, sin_ptr, pos, b_idx, freqs_len, stride_fs, stride_fb, stride_fd,
+def _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs, stride_fb, stride_fd, stride_fm,
             ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-            BLOCK_HALF: tl.constexpr, PIN: tl.constexpr, TABLE: tl.constexpr, HALF_TABLE: tl.constexpr):
+            BLOCK_HALF: tl.constexpr, PIN: tl.constexpr, TABLE: tl.constexpr, HALF_TABLE: tl.constexpr,
+            MROPE: tl.constexpr):
     """cos/sin factors of channels a and b = partner(a), as [1, BLOCK_HALF] rows, once per program.
 
     TABLE: freqs_ptr and sin_ptr are cos and sin tables (`rope._table`'s, or a caller's), any float
     dtype, row `pos` (and, for tables per batch entry, b_idx), read instead of evaluated. HALF_TABLE:
     one column per pair (column k for pair k), else one per channel. Backward uses the adjoint's
     factors: (sin_a, sin_b) -> (-sin f[b], -sin f[a]). A position outside the table or `freqs` (value
-    checks skipped) reads nothing and gives NaN."""
+    checks skipped) reads nothing and gives NaN. MROPE: `pos` may be one position per pair, and tables
+    given per stream are stride_fm apart (pair k reads its `stream`'s)."""
     pos_ok = (pos >= 0) & (pos < freqs_len)
     k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
     row = tl.where(pos_ok, pos, 0) * stride_fs
     if TABLE:
         row += b_idx * stride_fb
+    if MROPE:
+        row += stream * stride_fm
     if HALF_TABLE:
         col = tl.arange(0, BLOCK_HALF) * stride_fd
         cos_a = tl.where(pos_ok, _shared_load(freqs_ptr + row + col, k_ok, 0.0).to(tl.float32), float("nan"))
@@ -285,12 +306,13 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
           stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
-          stride_fs, stride_fb, stride_fd, stride_ps,
+          stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
           HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
           IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
           BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
           PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
-          POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, QK: tl.constexpr):
+          POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
+          SEC1: tl.constexpr, SEC2: tl.constexpr, QK: tl.constexpr):
     """One program of either kernel: its chunks of a group's rows, rotated by the group's angles."""
     s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
     r_begin = chunk * rows_per_program
@@ -306,10 +328,12 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
                                        stride_kb, stride_kh, stride_kob, stride_koh, GROUP_PER_BATCH, BLOCK_R, QK)
     xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
                                BLOCK_HALF, BLOCK_TAIL, INPLACE)
-    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps, IS_THD,
-                    HAS_START, USE_CP, FANOUT, POS_TABLE)
-    cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, sin_ptr, pos, b_idx, freqs_len, stride_fs, stride_fb, stride_fd,
-                                         ROT_DIM, INTERLEAVED, BACKWARD, BLOCK_HALF, PIN, TABLE, HALF_TABLE)
+    stream = _stream_of_pair(BLOCK_HALF, MROPE, SEC0, SEC1, SEC2) if MROPE else 0
+    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps, stride_pb,
+                    stride_pm, stream, IS_THD, HAS_START, USE_CP, FANOUT, POS_TABLE, MROPE)
+    cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs, stride_fb,
+                                         stride_fd, stride_fm, ROT_DIM, INTERLEAVED, BACKWARD, BLOCK_HALF, PIN, TABLE,
+                                         HALF_TABLE, MROPE)
     _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
                  HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
     for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
@@ -329,13 +353,14 @@ def rope_kernel(
     seq_len, n_seqs, freqs_len, cp_size, cp_rank,
     stride_xs, stride_xb, stride_xh, stride_xd,
     stride_os, stride_ob, stride_oh, stride_od,
-    stride_fs, stride_fb, stride_fd, stride_ps,
+    stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
-    FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr,
+    FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr,
+    SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr,
 ):
     """One tensor: x is q and k, and there are no k rows."""
     _rope(x_ptr, out_ptr, x_ptr, out_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
@@ -343,9 +368,9 @@ def rope_kernel(
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
-          stride_fs, stride_fb, stride_fd, stride_ps, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
+          stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
           GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT,
-          FANOUT, POS_TABLE, HALF_TABLE, False)
+          FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, False)
 
 
 @triton.jit(do_not_specialize=_QK_COUNTS)
@@ -357,13 +382,14 @@ def rope_qk_kernel(
     stride_qos, stride_qob, stride_qoh, stride_qod,
     stride_ks, stride_kb, stride_kh, stride_kd,
     stride_kos, stride_kob, stride_koh, stride_kod,
-    stride_fs, stride_fb, stride_fd, stride_ps,
+    stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
-    FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr,
+    FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr,
+    SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr,
 ):
     """q and k of one layer in one launch: a group's rows are q's then k's, its angles found once for both."""
     _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
@@ -371,6 +397,6 @@ def rope_qk_kernel(
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
           stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
-          stride_fs, stride_fb, stride_fd, stride_ps, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
+          stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
           GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT,
-          FANOUT, POS_TABLE, HALF_TABLE, True)
+          FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, True)

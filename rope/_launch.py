@@ -83,7 +83,9 @@ class Angles(NamedTuple):
     [position * stride_s + batch * stride_b + column * stride_d] (stride_b: tables per batch entry, else
     0), with one column per channel of the rotary width, or, `half`, one per pair. Else `cos` is `freqs`
     as float32 (rows by stride_s, channels by stride_d), whose sin/cos the kernel evaluates, and `sin`
-    is unused. `length`: rows; a position outside them gives NaN."""
+    is unused. `length`: rows; a position outside them gives NaN. Multimodal RoPE: `streams` is the
+    kernel's (MROPE, SEC0, SEC1, SEC2), which position stream each pair reads (`_kernel._stream_of_pair`),
+    and `stride_m` the distance between the streams' tables (0: one table for all)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -93,11 +95,13 @@ class Angles(NamedTuple):
     stride_d: int
     table: bool
     half: bool
+    stride_m: int = 0
+    streams: tuple = (0, 0, 0, 0)
 
     def key(self) -> tuple:
         """What a plan depends on (Triton specializes on dtypes, alignment and strides)."""
         return (self.cos.dtype, self.stride_s, self.stride_b, self.stride_d, self.table, self.half,
-                self.cos.data_ptr() % 16, self.sin.data_ptr() % 16)
+                self.cos.data_ptr() % 16, self.sin.data_ptr() % 16, self.stride_m, self.streams)
 
 
 def freqs_angles(freqs: torch.Tensor, length: int) -> Angles:
@@ -239,13 +243,14 @@ def _groups(layout, tensor_format: str, has_start: bool, h: int):
 
 def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, has_start: bool,
               cp_size: int, cp_rank: int, angles: Angles, backward: bool, inplace: bool = False,
-              pos_table: bool = False, k: torch.Tensor | None = None, pos_stride: int = 1) -> Plan:
+              pos_table: bool = False, k: torch.Tensor | None = None, pos_strides: tuple = (0, 1, 0)) -> Plan:
     """The plan for x, or with `k` for x = q and k in one launch (same tokens, head dim and dtype; head
     counts may differ). `angles`: what the kernel reads (`Angles`); `pos_table`: the kernel's cu_seqlens
-    argument holds one position per token, `pos_stride` apart."""
+    argument holds one position per token, at the (stream, s, b) strides `pos_strides`."""
     tensors = (x,) if k is None else (x, k)
     table = angles.table
-    per_row = has_start or angles.stride_b != 0  # angles differ per batch entry: a group is one (s, b) pair
+    # angles differ per batch entry: a group is one (s, b) pair
+    per_row = has_start or angles.stride_b != 0 or (pos_table and pos_strides[2] != 0 and layout.b > 1)
     n_groups, q_rows, per_batch = _groups(layout, tensor_format, per_row, layout.h)
     k_rows = 0 if k is None else _groups(layout, tensor_format, per_row, k.shape[-2])[1]
     rows = q_rows + k_rows
@@ -268,11 +273,13 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     strides = [st for t in tensors for st in (*_roles(t, tensor_format), *_out_roles(t, tensor_format, inplace))]
     scalars = (
         *counts, rows_per_program, n_groups, inner, layout.s, layout.n_seqs, angles.length, cp_size, cp_rank,
-        *strides, angles.stride_s, angles.stride_b, angles.stride_d, pos_stride,
+        *strides, angles.stride_s, angles.stride_b, angles.stride_d, angles.stride_m, pos_strides[1], pos_strides[2],
+        pos_strides[0],
         # the constexprs
         layout.d, layout.rot_dim, interleaved, backward, tensor_format == "thd", per_batch, has_start, cp_size > 1,
         block_r, block_half, block_tail, INTERPRET and x.dtype == torch.bfloat16, not INTERPRET, inplace, table,
         chunks > 1, _SEARCH_FANOUT if tensor_format == "thd" and not pos_table else 1, pos_table, angles.half,
+        *angles.streams,
     )
     return Plan(rope_kernel if k is None else rope_qk_kernel, (n_groups * chunks, 1, 1), scalars, num_warps,
                 x.device, tuple(_dense(t, tensor_format) for t in tensors))
@@ -317,17 +324,17 @@ def run(plan: Plan, pointers: tuple):
         plan.compiled = compiled
 
 
-def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None, pos_stride=1) -> Plan:
+def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None, pos_strides=(0, 1, 0)) -> Plan:
     """The call's plan for x (with `k`: q = x and k in one launch), made on first use."""
     # The call's key fixes x's strides where x is its own tensor (forward, the custom op), not a gradient.
-    key = (backward, inplace, pos_table, pos_stride, x.stride() if backward or k is not None else None,
+    key = (backward, inplace, pos_table, pos_strides, x.stride() if backward or k is not None else None,
            x.data_ptr() % 16, angles.key())
     if k is not None:
         key += (k.shape, k.stride(), k.data_ptr() % 16)
     plan = call.plans.get(key)
     if plan is None:
         plan = make_plan(x, call.layout, call.tensor_format, call.interleaved, call.has_start, call.cp_size,
-                         call.cp_rank, angles, backward, inplace, pos_table, k, pos_stride)
+                         call.cp_rank, angles, backward, inplace, pos_table, k, pos_strides)
         call.plans[key] = plan
     return plan
 
@@ -361,12 +368,19 @@ def _pointers(angles, start_positions, token_index):
         token_index if token_index is not None else cos
 
 
+def _pos_strides(positions) -> tuple:
+    """(stream, s, b) strides of positions [T] (one stream, thd or s), or [streams, s, b] in kernel roles."""
+    st = positions.stride()
+    return (0, st[0], 0) if len(st) == 1 else st
+
+
 def rotate(call, x, angles, start_positions, token_index, backward, inplace=False, pos_table=False):
     """Rotate x (or its gradient, `backward`) into a new tensor, or in place; returns it. With
-    `pos_table`, `token_index` holds one position per token (1-D, any stride)."""
+    `pos_table`, `token_index` holds the positions, [T] or [streams, s, b] (thd: b = 1), any strides."""
     if call.empty:
         return x if inplace else empty(x)
-    plan = plan_for(call, x, angles, backward, inplace, pos_table, None, token_index.stride(0) if pos_table else 1)
+    plan = plan_for(call, x, angles, backward, inplace, pos_table, None,
+                    _pos_strides(token_index) if pos_table else (0, 1, 0))
     out = x if inplace else empty(x, plan.dense[0])
     run(plan, (x, out, *_pointers(angles, start_positions, token_index)))
     return out
@@ -376,7 +390,8 @@ def rotate_qk(call, q, k, angles, start_positions, token_index, backward, inplac
     """`rotate` for q and k in one launch; returns (q_out, k_out)."""
     if not (q.numel() or k.numel()):
         return (q, k) if inplace else (empty(q), empty(k))
-    plan = plan_for(call, q, angles, backward, inplace, pos_table, k, token_index.stride(0) if pos_table else 1)
+    plan = plan_for(call, q, angles, backward, inplace, pos_table, k,
+                    _pos_strides(token_index) if pos_table else (0, 1, 0))
     qo = q if inplace else empty(q, plan.dense[0])
     ko = k if inplace else empty(k, plan.dense[1])
     run(plan, (q, qo, k, ko, *_pointers(angles, start_positions, token_index)))

@@ -31,8 +31,8 @@ class Layout(NamedTuple):
     n_seqs: int  # thd only: number of sequences (len(cu_seqlens) - 1)
 
 
-def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                 allow_float64: bool, name: str = "t") -> Layout:
+def check_t_and_freqs(t, freqs, tensor_format, interleaved, allow_float64: bool, name: str = "t") -> None:
+    """What every call with `freqs` checks first: types, dtypes, the format's rank, freqs' shape and device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if not isinstance(freqs, torch.Tensor):
@@ -47,11 +47,6 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
         raise ValueError(f"tensor_format: expected one of {FORMATS}, got {tensor_format!r}")
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank: expected an int in [0, cp_size={cp_size}), got {cp_rank!r}")
-
     want_dim = 3 if tensor_format == "thd" else 4
     if t.dim() != want_dim:
         names = {"sbhd": "[s, b, h, d]", "bshd": "[b, s, h, d]", "thd": "[t, h, d]"}
@@ -59,13 +54,23 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
                          f"{names[tensor_format]}, got shape {tuple(t.shape)}")
     if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
         raise ValueError(f"freqs: expected shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
-    d = t.shape[-1]
-    s2, d2 = freqs.shape[0], freqs.shape[3]
+    d, d2 = t.shape[-1], freqs.shape[3]
     if d2 < 2 or d2 % 2 or d2 > d:
         raise ValueError(f"freqs: rotary width d2 = freqs.shape[-1] must be even with 2 <= d2 <= d = {d}, "
                          f"got d2 = {d2}")
     if freqs.device != t.device:
         raise ValueError(f"freqs: expected the device of {name} ({t.device}), got {freqs.device}")
+
+
+def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                 allow_float64: bool, name: str = "t") -> Layout:
+    check_t_and_freqs(t, freqs, tensor_format, interleaved, allow_float64, name)
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank: expected an int in [0, cp_size={cp_size}), got {cp_rank!r}")
+    d = t.shape[-1]
+    s2, d2 = freqs.shape[0], freqs.shape[3]
 
     if tensor_format == "thd":
         if cu_seqlens is None:
@@ -409,3 +414,40 @@ def check_positions_in(positions, rows: int, name: str = "positions", table: str
         if len(_PASSED) >= _PASSED_MAX:
             _PASSED.clear()
         _PASSED[key] = (stamp,)
+
+
+def check_mrope_section(mrope_section, pairs: int, mrope_interleaved, name: str = "mrope_section") -> tuple:
+    """Multimodal RoPE's sections (docs/contract.md section 7b) -> the kernel's (MROPE, SEC0, SEC1, SEC2):
+    three counts of rotary pairs (temporal, height, width) covering all `pairs`. Interleaved, stream m
+    takes pairs m, m + 3, ... below 3 * section[m], which must hold section[m] of them."""
+    if not isinstance(mrope_interleaved, bool):
+        raise TypeError(f"mrope_interleaved: expected a bool, got {type(mrope_interleaved).__name__}")
+    if not isinstance(mrope_section, (list, tuple)) or len(mrope_section) != 3 or \
+            any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in mrope_section):
+        raise ValueError(f"{name}: expected three ints >= 0 (rotary pairs per stream: temporal, height, width), "
+                         f"got {mrope_section!r}")
+    if sum(mrope_section) != pairs:
+        raise ValueError(f"{name}: the sections must cover the {pairs} rotary pairs (half the rotary width), "
+                         f"got {list(mrope_section)} (sum {sum(mrope_section)})")
+    if mrope_interleaved:
+        for m in (1, 2):
+            held = len(range(m, min(3 * mrope_section[m], pairs), 3))
+            if held != mrope_section[m]:
+                raise ValueError(f"{name}: interleaved, stream {m} takes pairs {m}, {m + 3}, ... below "
+                                 f"3 * {mrope_section[m]}: only {held} of the {pairs} pairs, not {mrope_section[m]}")
+    return (2 if mrope_interleaved else 1, *mrope_section)
+
+
+def check_stream_positions(positions, lead: tuple, x, x_name: str, name: str = "positions") -> None:
+    """Positions of the three streams, [3, *lead], or of one stream for all three (text), [*lead];
+    int32/int64 on x's device."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(positions).__name__}")
+    if positions.dtype not in INT_DTYPES:
+        raise TypeError(f"{name}: expected dtype int32 or int64, got {positions.dtype}")
+    if tuple(positions.shape) not in (tuple(lead), (3, *lead)):
+        dims = ", ".join(map(str, lead))
+        raise ValueError(f"{name}: expected shape [3, {dims}] (temporal, height, width) or [{dims}] (one stream "
+                         f"for all three), the leading dims of {x_name}; got {tuple(positions.shape)}")
+    if positions.device != x.device:
+        raise ValueError(f"{name}: expected the device of {x_name} ({x.device}), got {positions.device}")

@@ -79,6 +79,45 @@ def rotate_rows(t, cos, sin, pos, tensor_format, interleaved):
     return rotate(t, cos.unsqueeze(-2), sin.unsqueeze(-2), interleaved)  # broadcast over heads
 
 
+def section_of_pair(mrope_section, pairs: int, mrope_interleaved: bool = False, device=None) -> torch.Tensor:
+    """Multimodal RoPE: the position stream each rotary pair reads, as transformers and vLLM define it.
+    Sections of mrope_section[m] consecutive pairs read stream m; interleaved (Qwen3-VL), pairs 1, 4, 7, ...
+    below 3 * mrope_section[1] read stream 1, pairs 2, 5, 8, ... below 3 * mrope_section[2] stream 2,
+    the others stream 0."""
+    if not mrope_interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(list(mrope_section))).to(device)
+    stream = torch.zeros(pairs, dtype=torch.int64)
+    stream[1:3 * mrope_section[1]:3] = 1
+    stream[2:3 * mrope_section[2]:3] = 2
+    return stream.to(device)
+
+
+def select_streams(tables, stream_of_pair, interleaved):
+    """Per-channel tables [..., d2] out of one per stream [3, ..., d2]: channel i takes stream
+    stream_of_pair[pair of i] (pairs (i, i + d2/2), or (2i, 2i + 1) interleaved)."""
+    d2 = tables.shape[-1]
+    channel = torch.arange(d2, device=tables.device)
+    stream = stream_of_pair.to(tables.device)[channel // 2 if interleaved else channel % (d2 // 2)]
+    return torch.where(stream == 0, tables[0], torch.where(stream == 1, tables[1], tables[2]))
+
+
+def apply_multimodal_rotary_pos_emb(t, freqs, positions, mrope_section, tensor_format="thd", interleaved=False,
+                                    mrope_interleaved=False):
+    """Reference of `rope.mrope.apply_multimodal_rotary_pos_emb` (the caller checks the arguments):
+    positions [3, *lead] or [*lead] (lead: t's token dims), `freqs` [s2, 1, 1, d2] or a `rope.RoPECache`."""
+    cache = freqs if hasattr(freqs, "as_freqs") else None
+    lead = t.shape[:-2]
+    pos = positions.long().expand(3, *lead)
+    if cache is not None:
+        cos, sin = cache.cos[pos], cache.sin[pos]
+    else:
+        f = freqs[:, 0, 0, :].to(torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32)[pos]
+        cos, sin = torch.cos(f), torch.sin(f)
+    stream = section_of_pair(mrope_section, cos.shape[-1] // 2, mrope_interleaved)
+    cos, sin = (select_streams(tab, stream, interleaved) for tab in (cos, sin))
+    return rotate(t, cos.unsqueeze(-2), sin.unsqueeze(-2), interleaved)  # broadcast over heads
+
+
 def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                          fused=False, cu_seqlens=None, cp_size=1, cp_rank=0):
     """Reference implementation with the signature of `rope.apply_rotary_pos_emb` (`fused` is ignored);

@@ -1,4 +1,5 @@
-"""vLLM's convention: `rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)`, in place.
+"""vLLM's convention: `rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)`, in place,
+and `mrotary_embedding` (its `MRotaryEmbedding`, multimodal RoPE).
 
 positions: [num_tokens] (or [b, s]) int32/int64; query, key: [num_tokens, heads * head_size] or
 [num_tokens, heads, head_size] (leading dims as positions'); key may be None. cos_sin_cache:
@@ -19,8 +20,10 @@ from ._validate import (
     call_for,
     check_disjoint,
     check_inplace,
+    check_mrope_section,
     check_positions_in,
     check_rotary_width,
+    check_stream_positions,
     check_tables,
     check_token_positions,
 )
@@ -47,12 +50,41 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     """vLLM's `rotary_embedding` op: rotates query and key (if not None) in place; returns None."""
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
+    flat = positions.reshape(-1)
+    q, k, cos, sin, rows = _checked(positions, query, key, head_size, cos_sin_cache, is_neox)
+    check_token_positions(flat, positions.numel(), q, "query")
+    check_positions_in(flat, rows)
+    _rotate(q, k, cos, sin, cos_sin_cache, flat, is_neox, (0, 0, 0, 0))
+    return None
+
+
+def mrotary_embedding(positions, query, key, head_size, cos_sin_cache, mrope_section, is_neox=True,
+                      mrope_interleaved=False):
+    """vLLM's `MRotaryEmbedding` (Qwen2-VL's multimodal RoPE): positions [3, num_tokens] (temporal, height,
+    width) or [num_tokens] (text: all three equal); pair i reads the stream of its section in
+    `mrope_section` (pairs per stream, summing to rotary_dim / 2), or, mrope_interleaved (Qwen3-VL), stream
+    i % 3 while i < 3 * mrope_section[i % 3], else stream 0. Rotates query and key (if not None) in place
+    and returns them."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
+    tokens = positions[0] if positions.dim() == 2 else positions
+    q, k, cos, sin, rows = _checked(tokens, query, key, head_size, cos_sin_cache, is_neox)
+    streams = check_mrope_section(mrope_section, cos.shape[1], mrope_interleaved)
+    check_stream_positions(positions, (q.shape[0],), q, "query")
+    check_positions_in(positions, rows)
+    if positions.dim() == 1:
+        positions = positions.expand(3, q.shape[0])  # one stream for all three: stream stride 0
+    _rotate(q, k, cos, sin, cos_sin_cache, positions, is_neox, streams)
+    return query, key
+
+
+def _checked(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """(query and key as [num_tokens, heads, head_size] views, the cos and sin halves of the cache, its rows),
+    checked for rotation in place; `positions`: the token dims of query and key."""
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 2:
         raise ValueError(f"head_size: expected an int >= 2, got {head_size!r}")
     if not isinstance(is_neox, bool):
         raise TypeError(f"is_neox: expected a bool, got {type(is_neox).__name__}")
-    n_tokens = positions.numel()
-    flat = positions.reshape(-1)
     q = _heads("query", query, positions, head_size)
     k = None if key is None else _heads("key", key, positions, head_size)
     if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dim() != 2:
@@ -62,25 +94,34 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     check_rotary_width(rot, head_size, "cos_sin_cache")
     cos, sin = cos_sin_cache[:, :rot // 2], cos_sin_cache[:, rot // 2:]
     check_tables(cos, sin, q, "query", ("cos_sin_cache", "cos_sin_cache"))
-    check_token_positions(flat, n_tokens, q, "query")
     if k is not None and (k.dtype != q.dtype or k.device != q.device):
         raise ValueError(f"key: expected the dtype and device of query ({q.dtype}, {q.device}), got "
                          f"{k.dtype}, {k.device}")
-    ts = (q,) if k is None else (q, k)
-    for name, x in zip(("query", "key")[:len(ts)], ts, strict=True):
-        check_inplace(name, x)
+    check_inplace("query", q)
     if k is not None:
+        check_inplace("key", k)
         check_disjoint(q, k)
-    check_positions_in(flat, rows)
+    return q, k, cos, sin, rows
+
+
+def _rotate(q, k, cos, sin, cos_sin_cache, positions, is_neox, streams):
+    """Rotate q and k in place by the rows `positions` ([num_tokens], or [3, num_tokens] with `streams`)."""
+    ts = (q,) if k is None else (q, k)
     interleaved = not is_neox
+    rows, rot = cos_sin_cache.shape
     if not kernel_runs(q):
         full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
-        for x in ts:
-            x.copy_(reference.rotate_rows(x, *full, flat.long(), "thd", interleaved))
-        return None
-    key_ = ("vllm", q.shape, q.stride(), q.dtype, q.device, rot, rows, interleaved, flat.dtype)
-    call = call_for(key_, lambda: Call(Layout(n_tokens, 1, q.shape[1], head_size, rot, rows, 0), "thd",
+        if streams[0]:
+            stream = reference.section_of_pair(streams[1:], rot // 2, streams[0] == 2, q.device)
+            cos_t, sin_t = (reference.select_streams(tab[positions.long()], stream, interleaved) for tab in full)
+            for x in ts:
+                x.copy_(reference.rotate(x, cos_t.unsqueeze(-2), sin_t.unsqueeze(-2), interleaved))
+        else:
+            for x in ts:
+                x.copy_(reference.rotate_rows(x, *full, positions.long(), "thd", interleaved))
+        return
+    key_ = ("vllm", q.shape, q.stride(), q.dtype, q.device, rot, rows, interleaved, positions.dtype)
+    call = call_for(key_, lambda: Call(Layout(q.shape[0], 1, q.shape[1], q.shape[2], rot, rows, 0), "thd",
                                        interleaved, None, None, 1, 0))
-    angles = Angles(cos, sin, rows, cos_sin_cache.stride(0), 0, cos_sin_cache.stride(1), True, True)
-    apply(ts, call, angles, None, flat, True, True)
-    return None
+    angles = Angles(cos, sin, rows, cos_sin_cache.stride(0), 0, cos_sin_cache.stride(1), True, True, 0, streams)
+    apply(ts, call, angles, None, positions[..., None] if streams[0] else positions, True, True)
