@@ -368,7 +368,8 @@ def rope_kernel(
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
-          stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
+          stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
+          HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
           GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT,
           FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, False)
 
@@ -397,6 +398,7 @@ def rope_qk_kernel(
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
           stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
-          stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm, HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
+          stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
+          HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
           GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT,
           FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, True)

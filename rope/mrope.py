@@ -9,8 +9,6 @@ follows takes them). Angles come from `freqs` [s2, 1, 1, d2] or a `rope.RoPECach
 """
 from __future__ import annotations
 
-import torch
-
 from . import reference
 from ._apply import apply, kernel_runs
 from ._launch import angles_for, table_angles
