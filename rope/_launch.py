@@ -68,6 +68,9 @@ def nan_outputs():
 
 
 _SM_COUNT: dict = {}
+_L2_BYTES: dict = {}
+# Table rows a launch reads stay in L2 (`_kernel._table_load`) while they take at most this share of it.
+_KEEP_TABLE_L2_SHARE = 4
 
 
 def _sm_count(device: torch.device) -> int:
@@ -76,6 +79,18 @@ def _sm_count(device: torch.device) -> int:
     if device.index not in _SM_COUNT:
         _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SM_COUNT[device.index]
+
+
+def _keeps_table(angles, layout, device) -> bool:
+    """Whether the table rows the launch reads (at most one per token, or all rows of the table) fit in
+    the share of L2 that may hold them. Under the interpreter: always (no cache)."""
+    if device.type != "cuda":
+        return True
+    if device.index not in _L2_BYTES:
+        _L2_BYTES[device.index] = torch.cuda.get_device_properties(device).L2_cache_size
+    rows = min(angles.length, max(layout.s, 1)) * (layout.b if angles.stride_b else 1) * (3 if angles.stride_m else 1)
+    row_bytes = layout.rot_dim // (2 if angles.half else 1) * angles.cos.element_size()
+    return 2 * rows * row_bytes <= _L2_BYTES[device.index] // _KEEP_TABLE_L2_SHARE
 
 
 class Angles(NamedTuple):
@@ -101,7 +116,7 @@ class Angles(NamedTuple):
     def key(self) -> tuple:
         """What a plan depends on (Triton specializes on dtypes, alignment and strides)."""
         return (self.cos.dtype, self.stride_s, self.stride_b, self.stride_d, self.table, self.half,
-                self.cos.data_ptr() % 16, self.sin.data_ptr() % 16, self.stride_m, self.streams)
+                self.cos.data_ptr() % 16, self.sin.data_ptr() % 16, self.stride_m, self.streams, self.length)
 
 
 def freqs_angles(freqs: torch.Tensor, length: int) -> Angles:
@@ -279,7 +294,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         layout.d, layout.rot_dim, interleaved, backward, tensor_format == "thd", per_batch, has_start, cp_size > 1,
         block_r, block_half, block_tail, INTERPRET and x.dtype == torch.bfloat16, not INTERPRET, inplace, table,
         chunks > 1, _SEARCH_FANOUT if tensor_format == "thd" and not pos_table else 1, pos_table, angles.half,
-        *angles.streams,
+        *angles.streams, _keeps_table(angles, layout, x.device),
     )
     return Plan(rope_kernel if k is None else rope_qk_kernel, (n_groups * chunks, 1, 1), scalars, num_warps,
                 x.device, tuple(_dense(t, tensor_format) for t in tensors))

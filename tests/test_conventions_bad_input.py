@@ -1,5 +1,5 @@
-"""Bad input to the conventions (rope.hf, rope.flash, rope.vllm, packed QKV, RoPECache): each case breaks one
-thing of a valid call; the call raises ValueError or TypeError naming the argument at fault, before any
+"""Bad input to the conventions (rope.hf, rope.flash, rope.vllm, packed QKV, RoPECache, multimodal RoPE): each
+case breaks one thing of a valid call; the call raises ValueError or TypeError naming the argument at fault, before any
 launch, and every input (in place ones included) keeps its values."""
 from __future__ import annotations
 
@@ -54,7 +54,73 @@ def qkv_args(**change):
     return rope.apply_fused_qkv_rotary_pos_emb, kw
 
 
+def mrope_args(**change):
+    t = 6
+    kw = dict(t=_r(t, 3, 16), freqs=_r(10, 1, 1, 12), positions=torch.randint(0, 10, (3, t), device=DEVICE),
+              mrope_section=[2, 2, 2])
+    kw.update(change)
+    return rope.mrope.apply_multimodal_rotary_pos_emb, kw
+
+
+def mrope_qk_args(**change):
+    kw = dict(q=_r(2, 5, 3, 16), k=_r(2, 5, 1, 16), freqs=_r(10, 1, 1, 12),
+              positions=torch.randint(0, 10, (3, 2, 5), device=DEVICE), mrope_section=[2, 2, 2], tensor_format="bshd")
+    kw.update(change)
+    return rope.mrope.apply_multimodal_rotary_pos_emb_qk, kw
+
+
+def hf_mrope_args(**change):
+    b, h, s, d = 2, 3, 5, 8
+    kw = dict(q=_r(b, h, s, d), k=_r(b, 1, s, d), cos=_r(3, b, s, d), sin=_r(3, b, s, d), mrope_section=[2, 1, 1])
+    kw.update(change)
+    return rope.hf.apply_multimodal_rotary_pos_emb, kw
+
+
+def vllm_mrope_args(**change):
+    t = 5
+    kw = dict(positions=torch.randint(0, 10, (3, t), device=DEVICE), query=_r(t, 4 * 16), key=_r(t, 2 * 16),
+              head_size=16, cos_sin_cache=_r(10, 12), mrope_section=[2, 2, 2])
+    kw.update(change)
+    return rope.vllm.mrotary_embedding, kw
+
+
 CASES = [
+    # multimodal RoPE
+    ("mrope: sections not covering the pairs", mrope_args, dict(mrope_section=[2, 2, 1]), "mrope_section"),
+    ("mrope: two sections", mrope_args, dict(mrope_section=[3, 3]), "mrope_section"),
+    ("mrope: a negative section", mrope_args, dict(mrope_section=[4, 4, -2]), "mrope_section"),
+    ("mrope: a float section", mrope_args, dict(mrope_section=[2.0, 2, 2]), "mrope_section"),
+    ("mrope: a bool section", mrope_args, dict(mrope_section=[True, 3, 2]), "mrope_section"),
+    ("mrope: interleaved sections that do not fit", mrope_args, dict(mrope_section=[0, 6, 0], mrope_interleaved=True),
+     "mrope_section"),
+    ("mrope: mrope_interleaved not a bool", mrope_args, dict(mrope_interleaved=1), "mrope_interleaved"),
+    ("mrope: four streams", mrope_args, dict(positions=torch.zeros(4, 6, dtype=torch.int64, device=DEVICE)),
+     "positions"),
+    ("mrope: positions of other tokens", mrope_args, dict(positions=torch.zeros(3, 5, dtype=torch.int64,
+                                                                               device=DEVICE)), "positions"),
+    ("mrope: float positions", mrope_args, dict(positions=torch.zeros(3, 6, device=DEVICE)), "positions"),
+    ("mrope: positions on another device", mrope_args,
+     dict(positions=torch.zeros(3, 6, dtype=torch.int64, device=OTHER_DEVICE)), "positions"),
+    ("mrope: a position past freqs", mrope_args,
+     dict(positions=torch.tensor([[0] * 6, [0] * 6, [0, 0, 10, 0, 0, 0]], device=DEVICE)), "positions"),
+    ("mrope: a negative position", mrope_args,
+     dict(positions=torch.tensor([[0] * 6, [0, -1, 0, 0, 0, 0], [0] * 6], device=DEVICE)), "positions"),
+    ("mrope: bshd positions in sbhd order", mrope_qk_args,
+     dict(positions=torch.zeros(3, 5, 2, dtype=torch.int64, device=DEVICE)), "positions"),
+    ("mrope: k of other tokens", mrope_qk_args, dict(k=_r(2, 4, 1, 16)), "k"),
+    ("mrope: freqs wider than t", mrope_args, dict(freqs=_r(10, 1, 1, 18)), "freqs"),
+    ("mrope: unknown format", mrope_args, dict(tensor_format="tbhd"), "tensor_format"),
+    ("hf mrope: cos without streams", hf_mrope_args, dict(cos=_r(2, 5, 8), sin=_r(2, 5, 8)), "cos"),
+    ("hf mrope: four streams", hf_mrope_args, dict(cos=_r(4, 2, 5, 8), sin=_r(4, 2, 5, 8)), "cos"),
+    ("hf mrope: sections of the full width", hf_mrope_args, dict(mrope_section=[4, 2, 2]), "mrope_section"),
+    ("hf mrope: sin of another shape", hf_mrope_args, dict(sin=_r(3, 1, 5, 8)), "sin"),
+    ("vllm mrope: sections over the channels", vllm_mrope_args, dict(mrope_section=[4, 4, 4]), "mrope_section"),
+    ("vllm mrope: a position past the cache", vllm_mrope_args,
+     dict(positions=torch.tensor([[0] * 5, [0] * 5, [0, 0, 0, 10, 0]], device=DEVICE)), "positions"),
+    ("vllm mrope: two streams", vllm_mrope_args, dict(positions=torch.zeros(2, 5, dtype=torch.int64, device=DEVICE)),
+     "positions"),
+    ("vllm mrope: query of other tokens", vllm_mrope_args, dict(query=_r(4, 64)), "query"),
+    ("vllm mrope: is_neox not a bool", vllm_mrope_args, dict(is_neox=None), "is_neox"),
     # transformers
     ("hf: cos of another length", hf_args, dict(cos=_r(2, 4, 8), sin=_r(2, 4, 8)), "cos"),
     ("hf: cos of another batch", hf_args, dict(cos=_r(3, 5, 8), sin=_r(3, 5, 8)), "cos"),
