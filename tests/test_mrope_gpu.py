@@ -79,7 +79,7 @@ def test_mrope_beyond_2_31_elements(entry):
     q = torch.randn(n, heads, d, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     assert q.numel() > 2**31
     positions = torch.randint(0, 4096, (3, n), device=DEVICE, generator=gen)
-    freqs = rope.RotaryPositionEmbedding(d)(4096)
+    freqs = rope.RotaryPositionEmbedding(d, device=DEVICE)(4096)
     rows = torch.cat([torch.arange(64), torch.randint(0, n, (256,), generator=torch.Generator().manual_seed(0)),
                       torch.arange(n - 256, n)]).to(DEVICE)
     if entry == "packed":
