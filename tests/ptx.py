@@ -23,19 +23,20 @@ from rope._kernel import rope_kernel, rope_qk_kernel
 
 CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "INTERLEAVED", "BACKWARD", "IS_THD", "GROUP_PER_BATCH", "HAS_START", "USE_CP",
               "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE", "SPLIT", "FANOUT",
-              "POS_TABLE")
+              "POS_TABLE", "HALF_TABLE", "MROPE", "SEC0", "SEC1", "SEC2", "KEEP_TABLE")
 
 
 def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=False, backward=False, thd=False,
                     start=False, cp=False, inplace=False, block_r=8, num_warps=2, table=False, split=False,
-                    pos_table=False):
+                    pos_table=False, mrope=0, sections=(0, 0, 0)):
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
     values = dict(HEAD_DIM=d, ROT_DIM=d2, INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=thd,
                   GROUP_PER_BATCH=start and not thd, HAS_START=start, USE_CP=cp, BLOCK_R=block_r,
                   BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, RNE_BF16=False, PIN=True, INPLACE=inplace,
                   TABLE=table, SPLIT=split, FANOUT=32 if thd and not pos_table else 1,
-                  POS_TABLE=pos_table)
+                  POS_TABLE=pos_table, HALF_TABLE=False, MROPE=mrope, SEC0=sections[0], SEC1=sections[1],
+                  SEC2=sections[2], KEEP_TABLE=True)
     signature, constexprs, attrs = {}, dict(values), {}
     for i, name in enumerate(kernel.arg_names):
         if name in CONSTEXPRS:
@@ -74,6 +75,8 @@ VARIANTS = [
     ("table, half-split bf16 d128", dict(table=True, block_r=8, num_warps=1, split=True)),
     ("table, thd bf16 d128", dict(table=True, thd=True, block_r=8, num_warps=1, split=True)),
     ("table, thd positions bf16", dict(table=True, thd=True, pos_table=True, block_r=8, num_warps=1, split=True)),
+    ("table, thd mRoPE positions bf16", dict(table=True, thd=True, pos_table=True, block_r=8, num_warps=1, split=True,
+                                             mrope=1, sections=(16, 24, 24))),
     ("table, fp32 d256 backward", dict(table=True, dtype="fp32", d=256, d2=256, backward=True, split=True)),
     ("interleaved partial backward", dict(interleaved=True, d2=64, backward=True, block_r=16, num_warps=4)),
     ("table, thd start + cp", dict(table=True, thd=True, start=True, cp=True, split=True)),

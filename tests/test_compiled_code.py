@@ -21,6 +21,8 @@ VARIANTS = {
     "table-sbhd-bf16": dict(table=True, split=True, num_warps=1),
     "table-thd-bf16": dict(table=True, thd=True, split=True, num_warps=1),
     "table-thd-positions-bf16": dict(table=True, thd=True, pos_table=True, split=True, num_warps=1),
+    "table-thd-mrope-bf16": dict(table=True, thd=True, pos_table=True, split=True, num_warps=1, mrope=1,
+                                 sections=[16, 24, 24]),
     "table-fp32-d256": dict(table=True, d=256, d2=256, dtype="fp32", split=True, num_warps=4),
     "evaluated-bf16": dict(),
 }
