@@ -79,16 +79,6 @@ def _program(n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr, SPLIT: tl.
 
 
 @triton.jit
-def _table_load(ptrs, mask, other, KEEP: tl.constexpr):
-    """A load of cos/sin or angle rows: kept in L2 as `_shared_load` keeps them (KEEP) where the rows
-    a launch reads fit in a fraction of L2; rows read by one token's programs only, too many to fit
-    (transformers' tables gathered per token, per stream), would crowd `t`'s lines out instead."""
-    if KEEP:
-        return tl.load(ptrs, mask=mask, other=other, eviction_policy="evict_last")
-    return tl.load(ptrs, mask=mask, other=other)
-
-
-@triton.jit
 def _sequence_of(token, cu_ptr, n_seqs, cp_size, FANOUT: tl.constexpr):
     """(index, first local token, local length) of the sequence that holds local token `token`: the
     largest q with cu[q] // cp_size <= token ("largest" skips empty sequences). Each round loads FANOUT
@@ -176,7 +166,7 @@ def _pair_columns(ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HALF: 
 def _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs, stride_fb, stride_fd, stride_fm,
             ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
             BLOCK_HALF: tl.constexpr, PIN: tl.constexpr, TABLE: tl.constexpr, HALF_TABLE: tl.constexpr,
-            MROPE: tl.constexpr, KEEP_TABLE: tl.constexpr):
+            MROPE: tl.constexpr):
     """cos/sin factors of channels a and b = partner(a), as [1, BLOCK_HALF] rows, once per program.
 
     TABLE: freqs_ptr and sin_ptr are cos and sin tables (`rope._table`'s, or a caller's), any float
@@ -194,19 +184,19 @@ def _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs, stride
         row += stream * stride_fm
     if HALF_TABLE:
         col = tl.arange(0, BLOCK_HALF) * stride_fd
-        cos_a = tl.where(pos_ok, _table_load(freqs_ptr + row + col, k_ok, 0.0, KEEP_TABLE).to(tl.float32), float("nan"))
-        sin_fa = tl.where(pos_ok, _table_load(sin_ptr + row + col, k_ok, 0.0, KEEP_TABLE).to(tl.float32), float("nan"))
+        cos_a = tl.where(pos_ok, _shared_load(freqs_ptr + row + col, k_ok, 0.0).to(tl.float32), float("nan"))
+        sin_fa = tl.where(pos_ok, _shared_load(sin_ptr + row + col, k_ok, 0.0).to(tl.float32), float("nan"))
         cos_b, sin_fb = cos_a, sin_fa
     elif TABLE:
         ca, cb = row + col_a * stride_fd, row + col_b * stride_fd
-        cos_a = tl.where(pos_ok, _table_load(freqs_ptr + ca, k_ok, 0.0, KEEP_TABLE).to(tl.float32), float("nan"))
-        cos_b = tl.where(pos_ok, _table_load(freqs_ptr + cb, k_ok, 0.0, KEEP_TABLE).to(tl.float32), float("nan"))
-        sin_fa = tl.where(pos_ok, _table_load(sin_ptr + ca, k_ok, 0.0, KEEP_TABLE).to(tl.float32), float("nan"))
-        sin_fb = tl.where(pos_ok, _table_load(sin_ptr + cb, k_ok, 0.0, KEEP_TABLE).to(tl.float32), float("nan"))
+        cos_a = tl.where(pos_ok, _shared_load(freqs_ptr + ca, k_ok, 0.0).to(tl.float32), float("nan"))
+        cos_b = tl.where(pos_ok, _shared_load(freqs_ptr + cb, k_ok, 0.0).to(tl.float32), float("nan"))
+        sin_fa = tl.where(pos_ok, _shared_load(sin_ptr + ca, k_ok, 0.0).to(tl.float32), float("nan"))
+        sin_fb = tl.where(pos_ok, _shared_load(sin_ptr + cb, k_ok, 0.0).to(tl.float32), float("nan"))
     else:
         f_row = freqs_ptr + row
-        fa = tl.where(pos_ok, _table_load(f_row + col_a * stride_fd, k_ok, 0.0, KEEP_TABLE), float("nan"))
-        fb = tl.where(pos_ok, _table_load(f_row + col_b * stride_fd, k_ok, 0.0, KEEP_TABLE), float("nan"))
+        fa = tl.where(pos_ok, _shared_load(f_row + col_a * stride_fd, k_ok, 0.0), float("nan"))
+        fb = tl.where(pos_ok, _shared_load(f_row + col_b * stride_fd, k_ok, 0.0), float("nan"))
         cos_a = _pin(tl.cos(fa), PIN)
         cos_b = _pin(tl.cos(fb), PIN)
         sin_fa = _pin(tl.sin(fa), PIN)
@@ -322,7 +312,7 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
           BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
           PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
           POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
-          SEC1: tl.constexpr, SEC2: tl.constexpr, KEEP_TABLE: tl.constexpr, QK: tl.constexpr):
+          SEC1: tl.constexpr, SEC2: tl.constexpr, QK: tl.constexpr):
     """One program of either kernel: its chunks of a group's rows, rotated by the group's angles."""
     s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
     r_begin = chunk * rows_per_program
@@ -343,7 +333,7 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
                     stride_pm, stream, IS_THD, HAS_START, USE_CP, FANOUT, POS_TABLE, MROPE)
     cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs, stride_fb,
                                          stride_fd, stride_fm, ROT_DIM, INTERLEAVED, BACKWARD, BLOCK_HALF, PIN, TABLE,
-                                         HALF_TABLE, MROPE, KEEP_TABLE)
+                                         HALF_TABLE, MROPE)
     _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
                  HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
     for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
@@ -370,7 +360,7 @@ def rope_kernel(
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
     FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr,
-    SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr, KEEP_TABLE: tl.constexpr,
+    SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr,
 ):
     """One tensor: x is q and k, and there are no k rows."""
     _rope(x_ptr, out_ptr, x_ptr, out_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
@@ -381,7 +371,7 @@ def rope_kernel(
           stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
           HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
           GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT,
-          FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, KEEP_TABLE, False)
+          FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, False)
 
 
 @triton.jit(do_not_specialize=_QK_COUNTS)
@@ -400,7 +390,7 @@ def rope_qk_kernel(
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
     FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr,
-    SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr, KEEP_TABLE: tl.constexpr,
+    SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr,
 ):
     """q and k of one layer in one launch: a group's rows are q's then k's, its angles found once for both."""
     _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
@@ -411,4 +401,4 @@ def rope_qk_kernel(
           stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
           HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
           GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT,
-          FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, KEEP_TABLE, True)
+          FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, True)

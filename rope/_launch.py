@@ -34,6 +34,10 @@ _PROGRAMS_PER_SM = 8
 # 16 KB per SM where a group spans the batch. thd programs cover 4 KB of `t` where a search of
 # cu_seqlens takes several rounds, 2 KB where they read the position table.
 _TABLE_ROWS = 8
+# Tables given per stream (transformers' multimodal [3, b, s, d]) hold three rows per token, each read once,
+# from DRAM: a tile takes up to a token's q and k heads (28 + 4 in Qwen2-VL-7B), so that one gather of angles
+# serves all of them. Positions into one shared table (L2-resident rows) keep the tile of 8.
+_TABLE_ROWS_PER_STREAM = 32
 _TABLE_ROWS_SMALL = 16
 _TABLE_ROWS_SMALL_BYTES_PER_SM = 16384
 _TABLE_THD_BYTES = 4096
@@ -68,9 +72,6 @@ def nan_outputs():
 
 
 _SM_COUNT: dict = {}
-_L2_BYTES: dict = {}
-# Table rows a launch reads stay in L2 (`_kernel._table_load`) while they take at most this share of it.
-_KEEP_TABLE_L2_SHARE = 4
 
 
 def _sm_count(device: torch.device) -> int:
@@ -79,18 +80,6 @@ def _sm_count(device: torch.device) -> int:
     if device.index not in _SM_COUNT:
         _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SM_COUNT[device.index]
-
-
-def _keeps_table(angles, layout, device) -> bool:
-    """Whether the table rows the launch reads (at most one per token, or all rows of the table) fit in
-    the share of L2 that may hold them. Under the interpreter: always (no cache)."""
-    if device.type != "cuda":
-        return True
-    if device.index not in _L2_BYTES:
-        _L2_BYTES[device.index] = torch.cuda.get_device_properties(device).L2_cache_size
-    rows = min(angles.length, max(layout.s, 1)) * (layout.b if angles.stride_b else 1) * (3 if angles.stride_m else 1)
-    row_bytes = layout.rot_dim // (2 if angles.half else 1) * angles.cos.element_size()
-    return 2 * rows * row_bytes <= _L2_BYTES[device.index] // _KEEP_TABLE_L2_SHARE
 
 
 class Angles(NamedTuple):
@@ -116,7 +105,7 @@ class Angles(NamedTuple):
     def key(self) -> tuple:
         """What a plan depends on (Triton specializes on dtypes, alignment and strides)."""
         return (self.cos.dtype, self.stride_s, self.stride_b, self.stride_d, self.table, self.half,
-                self.cos.data_ptr() % 16, self.sin.data_ptr() % 16, self.stride_m, self.streams, self.length)
+                self.cos.data_ptr() % 16, self.sin.data_ptr() % 16, self.stride_m, self.streams)
 
 
 def freqs_angles(freqs: torch.Tensor, length: int) -> Angles:
@@ -178,11 +167,11 @@ def _dense(x: torch.Tensor, tensor_format: str) -> bool:
     return _roles(x, tensor_format) == _out_roles(x, tensor_format, False)
 
 
-def _table_tile(tensor_bytes: int, device, spans_batch: bool) -> tuple:
+def _table_tile(tensor_bytes: int, device, spans_batch: bool, per_stream: bool = False) -> tuple:
     """(most rows per tile, bytes of each row-half per thread) for the kernel reading the table."""
     sms = _sm_count(device)
     if tensor_bytes > sms * _THREADS_PER_SM * _TABLE_BYTES_PER_THREAD:
-        return _TABLE_ROWS, _TABLE_BYTES_PER_THREAD
+        return (_TABLE_ROWS_PER_STREAM if per_stream else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD
     tiny = spans_batch and tensor_bytes <= sms * _TABLE_ROWS_SMALL_BYTES_PER_SM
     return (_TABLE_ROWS_SMALL if tiny else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD_SMALL
 
@@ -273,7 +262,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     # bytes per row of thd programs that search cu_seqlens in several rounds, or read the position table
     row_bytes = x.element_size() * layout.d if tensor_format == "thd" and layout.n_seqs >= _SEARCH_FANOUT else 0
     tensor_bytes = sum(t.numel() for t in tensors) * x.element_size()
-    table_tile = _table_tile(tensor_bytes, x.device, spans_batch) if table else None
+    table_tile = _table_tile(tensor_bytes, x.device, spans_batch, angles.stride_m != 0) if table else None
     block_r, block_half, block_tail, num_warps = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(),
                                                        max(q_rows, k_rows), table_tile)
     rows_per_program = _rows_per_program(n_groups, rows, block_r, spans_batch, x.element_size(),
@@ -294,7 +283,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         layout.d, layout.rot_dim, interleaved, backward, tensor_format == "thd", per_batch, has_start, cp_size > 1,
         block_r, block_half, block_tail, INTERPRET and x.dtype == torch.bfloat16, not INTERPRET, inplace, table,
         chunks > 1, _SEARCH_FANOUT if tensor_format == "thd" and not pos_table else 1, pos_table, angles.half,
-        *angles.streams, _keeps_table(angles, layout, x.device),
+        *angles.streams,
     )
     return Plan(rope_kernel if k is None else rope_qk_kernel, (n_groups * chunks, 1, 1), scalars, num_warps,
                 x.device, tuple(_dense(t, tensor_format) for t in tensors))
