@@ -102,8 +102,10 @@ def pytest_addoption(parser):
     parser.addoption(
         "--rope-impl", default="rope:apply_rotary_pos_emb", metavar="SPEC",
         help="implementation to run the conformance tests against: te, flash, liger, hf, vllm or rope (named), "
-             "module:callable (TransformerEngine's apply_rotary_pos_emb signature), or CONVENTION:module:callable "
-             "for a callable in one of the named conventions (tests/adapters; default: rope:apply_rotary_pos_emb)")
+             "liger-mrope, hf-mrope, vllm-mrope or rope-mrope (named multimodal RoPE), module:callable "
+             "(TransformerEngine's apply_rotary_pos_emb signature), or CONVENTION:module:callable for a callable in "
+             "one of the conventions te, flash, liger, hf, vllm, hf-mrope, vllm-mrope, mrope (tests/adapters; "
+             "default: rope:apply_rotary_pos_emb)")
     parser.addoption(
         "--conformance-report", default=None, metavar="PATH",
         help="write the implementation x property table (pass / fail with the shrunk counterexample / not "

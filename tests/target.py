@@ -1,8 +1,9 @@
 """The implementation under test, chosen with `pytest --rope-impl SPEC` (tests/adapters: the registry).
 
-SPEC is a named implementation (te, flash, liger, hf, vllm, rope), `module:callable` in TransformerEngine's
-convention, or `CONVENTION:module:callable` for a callable in another library's convention, which an adapter
-maps TE's calls onto. A TE-convention callable is called as it is, with TransformerEngine's signature:
+SPEC is a named implementation (te, flash, liger, hf, vllm, rope; liger-mrope, hf-mrope, vllm-mrope, rope-mrope
+for multimodal RoPE), `module:callable` in TransformerEngine's convention, or `CONVENTION:module:callable` for a
+callable in another library's convention, which an adapter maps TE's calls onto. A TE-convention callable is
+called as it is, with TransformerEngine's signature:
     apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                          fused=..., cu_seqlens=None, cp_size=1, cp_rank=0)
 The suite passes `t` and `freqs` positionally and only the keyword arguments a case needs, so a
@@ -12,14 +13,28 @@ wrap the function to pin it (TE's default is fused=False, its less accurate unfu
 
 A call outside the target's capabilities (tests/adapters: Capabilities) is no verdict: inside a Hypothesis test
 the example is rejected (`hypothesis.reject`, counted per reason in REJECTED), elsewhere the test is skipped.
+
+Multimodal RoPE: `target.mrope` is the target's canonical mRoPE call, `rope.mrope.apply_multimodal_rotary_pos_emb`'s
+signature (tests/test_mrope.py), with the same gate on `target.mrope_caps` (MRoPECapabilities); None for targets
+without one (TE-convention callables other than this package's, the plain conventions). `target.mrope_call(...)`
+calls it, or skips with "<name> has no multimodal RoPE".
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Optional
 
-from tests.adapters import DEFAULT, Capabilities, Unavailable, load  # noqa: F401 - Unavailable re-exported
+from tests.adapters import (  # noqa: F401 - Unavailable re-exported
+    DEFAULT,
+    MROPE_ARGS,
+    Capabilities,
+    MRoPECapabilities,
+    Unavailable,
+    load,
+)
 
 OURS = {"rope", "rope:apply_rotary_pos_emb", "rope.functional:apply_rotary_pos_emb"}
 REJECTED: Counter = Counter()  # reason -> calls rejected in the current test (conftest clears it per test)
@@ -31,6 +46,8 @@ class Target:
     fn: Callable
     caps: Capabilities = field(default_factory=Capabilities)
     convention: str = "te"
+    mrope: Optional[Callable] = None  # the canonical mRoPE call, gated by mrope_caps (see checked_mrope)
+    mrope_caps: Optional[MRoPECapabilities] = None
 
     @property
     def is_ours(self) -> bool:
@@ -50,6 +67,31 @@ class Target:
                 _outside(why)
         return self.fn(*args, **kwargs)
 
+    def mrope_call(self, *args, **kwargs):
+        """The canonical mRoPE call (outside the capabilities: rejected or skipped, as __call__)."""
+        if self.mrope is None:
+            import pytest
+
+            pytest.skip(f"{self.name} has no multimodal RoPE")
+        return self.mrope(*args, **kwargs)
+
+
+def checked_mrope(fn: Optional[Callable], caps: Optional[MRoPECapabilities]) -> Optional[Callable]:
+    """fn behind the gate of caps: a call outside them is rejected or skipped (`_outside`) before fn sees it.
+    Full capabilities: fn itself (nothing to check)."""
+    if fn is None or caps is None or caps.full:
+        return fn
+
+    @functools.wraps(fn)
+    def gated(*args, **kwargs):
+        named = {**dict(zip(MROPE_ARGS, args, strict=False)), **kwargs}  # positional ones by name
+        why = caps.lacks(named.get("t"), named.get("freqs"), named.get("positions"), named)
+        if why is not None:
+            _outside(why)
+        return fn(*args, **kwargs)
+
+    return gated
+
 
 def _outside(why: str):
     from hypothesis.control import currently_in_test_context
@@ -67,4 +109,5 @@ def _outside(why: str):
 def load_target(spec: str) -> Target:
     """--rope-impl value -> Target. Raises Unavailable for a named implementation that is not installed."""
     loaded = load(spec)
-    return Target(spec, loaded.fn, loaded.caps, loaded.convention)
+    return Target(spec, loaded.fn, loaded.caps, loaded.convention, checked_mrope(loaded.mrope, loaded.mrope_caps),
+                  loaded.mrope_caps)

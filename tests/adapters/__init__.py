@@ -9,16 +9,29 @@ with the reason.
 
 `--rope-impl` takes
     te | flash | liger | hf | vllm | rope       a named implementation (the library's own function)
+    liger-mrope | hf-mrope | vllm-mrope | rope-mrope
+                                                a named multimodal RoPE (mRoPE, Qwen2-VL) implementation
     module:callable                             a callable in TE's convention (as always)
     CONVENTION:module:callable                  a callable in one of the conventions above, e.g.
                                                 hf:mypkg.rope:apply_rotary_pos_emb
-One file per convention (te.py, flash.py, liger.py, hf.py, vllm.py) holds its conversion, capabilities, the
-named implementation's import path and how to install it. A named implementation that is not installed raises
+One file per convention (te.py, flash.py, liger.py, hf.py, vllm.py; hf_mrope.py, vllm_mrope.py and mrope.py for
+the mRoPE conventions `hf-mrope`, `vllm-mrope` and `mrope`) holds its conversion, capabilities, the named
+implementation's import path and how to install it. A named implementation that is not installed raises
 `Unavailable` (one line, with the install command); conftest.py turns it into a skipped run.
+
+Multimodal RoPE: a target may also have a canonical mRoPE call, `rope.mrope.apply_multimodal_rotary_pos_emb`'s
+signature (`Loaded.mrope`, with `MRoPECapabilities`), which tests/test_mrope.py checks. An mRoPE convention gives
+both: `wrap_mrope` maps the canonical call onto the convention, and `wrap` maps TE's call onto the canonical one
+with three equal position streams (plain RoPE, `te_via_mrope`), so that the whole TE suite runs against it too.
+This package's own default target gets `rope.mrope.apply_multimodal_rotary_pos_emb` itself; TE-convention
+targets and the plain conventions have none.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import NamedTuple, Optional
@@ -29,7 +42,14 @@ FORMATS = ("sbhd", "bshd", "thd")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CONVENTIONS = ("te", "flash", "liger", "hf", "vllm")
 NAMES = CONVENTIONS + ("rope",)
+# mRoPE: `mrope` is the canonical convention (rope.mrope's signature); named implementations -> their convention
+MROPE_CONVENTIONS = ("hf-mrope", "vllm-mrope", "mrope")
+MROPE_NAMES = {"liger-mrope": "hf-mrope", "hf-mrope": "hf-mrope", "vllm-mrope": "vllm-mrope", "rope-mrope": "mrope"}
+ALL_CONVENTIONS = CONVENTIONS + MROPE_CONVENTIONS
+ALL_NAMES = NAMES + tuple(MROPE_NAMES)
 DEFAULT = "rope:apply_rotary_pos_emb"
+# The canonical mRoPE call's arguments, in order (rope.mrope.apply_multimodal_rotary_pos_emb)
+MROPE_ARGS = ("t", "freqs", "positions", "mrope_section", "tensor_format", "interleaved", "mrope_interleaved")
 
 
 class Unavailable(Exception):
@@ -153,6 +173,138 @@ def equal_halves(freqs: torch.Tensor, interleaved: bool) -> bool:
     return bool(torch.equal(freqs[..., :h], freqs[..., h:]))
 
 
+@dataclass(frozen=True)
+class MRoPECapabilities:
+    """What a convention's multimodal RoPE can express, for the canonical call
+    fn(t, freqs, positions, mrope_section, tensor_format="thd", interleaved=False, mrope_interleaved=False).
+
+    Fields as in Capabilities; interleaved: GPT-J pairs (2i, 2i + 1); mrope_interleaved: Qwen3-VL's layout of
+    the sections (pair k reads stream k % 3 below 3 * mrope_section[k % 3]); backward: "" where there is none
+    (tests/test_mrope.py then checks the forward only).
+    """
+
+    formats: tuple = FORMATS
+    interleaved: bool = True
+    mrope_interleaved: bool = True
+    partial: str = "native"
+    dtypes: tuple = DTYPES
+    dtypes_why: str = ""
+    backward: str = "native"
+    in_place: bool = False
+    elementwise_freqs: bool = True
+    bad_input: str = "native"
+    notes: str = ""
+
+    @property
+    def full(self) -> bool:
+        return all(getattr(self, f.name) == f.default for f in fields(self) if f.name not in ("notes", "backward"))
+
+    def lacks(self, t, freqs, positions, kw: dict) -> Optional[str]:
+        """Why this canonical call is outside the capabilities, or None. `kw`: the call's other arguments by
+        name (MROPE_ARGS). Malformed calls pass through, as in Capabilities.lacks."""
+        if self.full:
+            return None
+        try:
+            fmt = kw.get("tensor_format", "thd")
+            if fmt not in self.formats:
+                return f"no {fmt} format"
+            interleaved = bool(kw.get("interleaved", False))
+            if interleaved and not self.interleaved:
+                return "no interleaved (GPT-J) pairs"
+            if kw.get("mrope_interleaved") and not self.mrope_interleaved:
+                return "no interleaved sections (Qwen3-VL's mrope_interleaved)"
+            if t.dtype not in self.dtypes:
+                return f"{str(t.dtype).replace('torch.', '')} not checked: {self.dtypes_why}"
+            if table_width(freqs) < t.shape[-1] and not self.partial:
+                return "no partial rotary (d2 < d)"
+            if not self.elementwise_freqs and not all(equal_halves(x, interleaved) for x in freq_tables(freqs)):
+                return "angles must be equal within each pair (cos/sin of half width)"
+        except Exception:  # noqa: BLE001 - a malformed call: the implementation's own answer is what counts
+            return None
+        return None
+
+    def table(self) -> dict:
+        def yes(v):
+            return v if isinstance(v, str) and v else ("yes" if v is True else "no")
+
+        return {
+            "formats": ", ".join(self.formats),
+            "interleaved pairs": yes(self.interleaved),
+            "interleaved sections": yes(self.mrope_interleaved),
+            "partial rotary": yes(self.partial),
+            "dtypes": ", ".join(str(d).replace("torch.", "") for d in self.dtypes),
+            "backward": self.backward or "none",
+            "in place": "yes (adapter passes copies)" if self.in_place else "no",
+            "angles": "any (elementwise)" if self.elementwise_freqs else "equal pair halves only",
+            "bad-input errors": yes(self.bad_input),
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# Multimodal RoPE: helpers of the mRoPE conventions
+# ----------------------------------------------------------------------------------------------
+
+def even_sections(pairs: int) -> list:
+    """A fixed split of `pairs` rotary pairs into three sections (temporal gets the remainder): [1, 0, 0] for one
+    pair, [1, 1, 1] for three, [22, 21, 21] for 64. With three equal streams any split gives plain RoPE; this one
+    exercises all three sections wherever there are pairs enough."""
+    third = pairs // 3
+    return [pairs - 2 * third, third, third]
+
+
+def table_width(freqs) -> int:
+    """d2 of `freqs` [s2, 1, 1, d2] or of a rope.RoPECache (its tables [s2, d2])."""
+    return (freqs.cos if hasattr(freqs, "as_freqs") else freqs).shape[-1]
+
+
+def freq_tables(freqs) -> tuple:
+    """What has to be equal within pairs: the angles, or a RoPECache's cos and sin."""
+    return (freqs.cos, freqs.sin) if hasattr(freqs, "as_freqs") else (freqs,)
+
+
+def cos_sin(freqs) -> tuple:
+    """float32 cos and sin [s2, d2], one column per channel: of the angles `freqs` [s2, 1, 1, d2], or a
+    rope.RoPECache's tables (read, as the canonical call does)."""
+    if hasattr(freqs, "as_freqs"):
+        return freqs.cos.float(), freqs.sin.float()
+    theta = angles(freqs)
+    return theta.cos(), theta.sin()
+
+
+def three_streams(positions, lead) -> torch.Tensor:
+    """The canonical call's positions, [3, *lead] or one stream [*lead], as int64 [3, *lead] (contiguous, as a
+    model's position ids are)."""
+    if positions.dim() == len(lead):
+        positions = positions.expand(3, *positions.shape)
+    return positions.long().contiguous()
+
+
+def accepts(fn, name: str) -> bool:
+    """Whether `fn` takes the keyword `name` (True when its signature cannot be read: the call answers)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def te_via_mrope(mrope_fn: Callable) -> Callable:
+    """TE's call -> the canonical mRoPE call with three equal position streams (every token's position as
+    `token_positions` gives it, docs/contract.md section 3) and the fixed sections `even_sections`: plain RoPE,
+    so TE's whole suite checks an mRoPE implementation through it."""
+
+    @functools.wraps(mrope_fn)
+    def mrope_as_te(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False, cu_seqlens=None,
+                    cp_size=1, cp_rank=0, **_):
+        pos = token_positions(t.shape, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, t.device)
+        if tensor_format == "sbhd":
+            pos = pos.t()  # the canonical call's sbhd positions are [s, b]
+        pos = pos.expand(3, *pos.shape).contiguous()
+        return mrope_fn(t, freqs, pos, even_sections(table_width(freqs) // 2), tensor_format, interleaved)
+
+    return mrope_as_te
+
+
 # ----------------------------------------------------------------------------------------------
 # Positions (docs/contract.md section 3), for conventions that take cos/sin per token
 # ----------------------------------------------------------------------------------------------
@@ -205,9 +357,9 @@ def local_lengths(cu_seqlens: torch.Tensor, cp_size: int = 1) -> list:
 # ----------------------------------------------------------------------------------------------
 
 class Parsed(NamedTuple):
-    convention: str  # one of CONVENTIONS
+    convention: str  # one of ALL_CONVENTIONS
     callable_spec: Optional[str]  # "module:attr"; None for a named implementation
-    named: Optional[str]  # te | flash | liger | hf | vllm | rope, or None
+    named: Optional[str]  # one of ALL_NAMES, or None
 
 
 def parse(spec: str) -> Parsed:
@@ -215,14 +367,17 @@ def parse(spec: str) -> Parsed:
     spec = (spec or "").strip()
     if spec in NAMES:
         return Parsed("te" if spec == "rope" else spec, None, spec)
+    if spec in MROPE_NAMES:
+        return Parsed(MROPE_NAMES[spec], None, spec)
     parts = spec.split(":")
     if len(parts) == 2 and all(parts):
         return Parsed("te", spec, None)
     if len(parts) == 3 and all(parts):
-        if parts[0] not in CONVENTIONS:
-            raise SpecError(f"unknown convention {parts[0]!r} in {spec!r}; conventions: {', '.join(CONVENTIONS)}")
+        if parts[0] not in ALL_CONVENTIONS:
+            raise SpecError(f"unknown convention {parts[0]!r} in {spec!r}; conventions: "
+                            f"{', '.join(ALL_CONVENTIONS)}")
         return Parsed(parts[0], f"{parts[1]}:{parts[2]}", None)
-    raise SpecError(f"expected one of {', '.join(NAMES)}, 'module:callable' (TE's convention) or "
+    raise SpecError(f"expected one of {', '.join(ALL_NAMES)}, 'module:callable' (TE's convention) or "
                     f"'CONVENTION:module:callable', got {spec!r}")
 
 
@@ -241,7 +396,8 @@ def import_callable(spec: str) -> Callable:
 
 
 def convention_module(name: str):
-    return importlib.import_module(f"{__name__}.{name}")
+    """The module of a convention (hf-mrope: hf_mrope.py)."""
+    return importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
 
 
 class Loaded(NamedTuple):
@@ -249,6 +405,8 @@ class Loaded(NamedTuple):
     caps: Capabilities
     convention: str
     raw: Callable  # the implementation itself
+    mrope: Optional[Callable] = None  # the canonical mRoPE call (MROPE_ARGS), None where there is none
+    mrope_caps: Optional[MRoPECapabilities] = None
 
 
 def load(spec: str) -> Loaded:
@@ -260,9 +418,25 @@ def load(spec: str) -> Loaded:
     else:
         raw = import_callable(parsed.callable_spec)
     if parsed.convention == "te" and parsed.named is None:
-        return Loaded(raw, conv.CAPABILITIES, "te", raw)  # TE's convention: the callable itself, as always
-    fn, caps = conv.wrap(raw, named=parsed.named)
+        fn, caps = raw, conv.CAPABILITIES  # TE's convention: the callable itself, as always
+    else:
+        fn, caps = conv.wrap(raw, named=parsed.named)
+    if parsed.convention == "te":
+        return Loaded(fn, caps, "te", raw, *_ours_mrope(raw))
+    if hasattr(conv, "wrap_mrope"):
+        return Loaded(fn, caps, parsed.convention, raw, *conv.wrap_mrope(raw, named=parsed.named))
     return Loaded(fn, caps, parsed.convention, raw)
+
+
+def _ours_mrope(raw) -> tuple:
+    """(rope.mrope.apply_multimodal_rotary_pos_emb, full capabilities) when `raw` is this package's
+    apply_rotary_pos_emb (then `rope` is imported already), else (None, None)."""
+    ours = sys.modules.get("rope")
+    if ours is None or raw is not getattr(ours, "apply_rotary_pos_emb", None):
+        return None, None
+    from rope.mrope import apply_multimodal_rotary_pos_emb
+
+    return apply_multimodal_rotary_pos_emb, MRoPECapabilities()
 
 
 def first_importable(candidates, install: str, what: str) -> Callable:

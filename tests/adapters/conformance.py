@@ -2,9 +2,11 @@
 
     python -m tests.adapters.conformance [IMPL ...] [--out docs/conformance.md] [-- PYTEST ARGS]
 
-IMPL: named implementations or any --rope-impl value (default: te flash liger hf vllm rope). Each one that is
-installed runs `pytest --rope-impl IMPL --conformance-report <tmp>.json` (a subprocess, the property files only)
-and the tables are merged; one that is not installed gets a column saying how to install it. When --out names an
+IMPL: named implementations or any --rope-impl value (default: DEFAULT_IMPLS: the named ones, multimodal RoPE's
+included, and this package's functions in each convention). Each one that is installed runs
+`pytest --rope-impl IMPL --conformance-report <tmp>.json` (a subprocess, the property files only: tests/test_mrope.py
+gives the mrope_* rows) and the tables are merged; one that is not installed gets a column saying how to install
+it. When --out names an
 existing file holding the markers `<!-- conformance:begin -->` and `<!-- conformance:end -->`, only the text
 between them is replaced (docs/conformance.md keeps its prose); otherwise the file is the report.
 """
@@ -18,12 +20,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import NAMES, Unavailable, load
+from . import MROPE_NAMES, NAMES, Unavailable, load
 from .report import render
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ["tests/test_properties.py", "tests/test_invariants.py", "tests/test_bad_input.py",
-         "tests/test_context_parallel_dist.py"]
+         "tests/test_context_parallel_dist.py", "tests/test_mrope.py"]
+# This package's own entry points behind each convention's adapter: the adapters' conversions checked by the suite.
+OURS_IN_CONVENTIONS = ("hf:rope.hf:apply_rotary_pos_emb", "flash:rope.flash:apply_rotary_emb",
+                       "vllm:rope.vllm:rotary_embedding", "hf-mrope:rope.hf:apply_multimodal_rotary_pos_emb",
+                       "vllm-mrope:rope.vllm:mrotary_embedding")
+DEFAULT_IMPLS = (*NAMES, *MROPE_NAMES, *OURS_IN_CONVENTIONS)
 BEGIN, END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
 
 
@@ -40,8 +47,9 @@ def availability(spec: str):
 
 def run_one(spec: str, pytest_args: list, workdir: str) -> dict:
     out = os.path.join(workdir, f"{len(os.listdir(workdir))}.json")
+    files = [f for f in FILES if (ROOT / f).exists()]  # a checkout without one of them still reports the rest
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rope-impl={spec}",
-           f"--conformance-report={out}", *(pytest_args or FILES)]
+           f"--conformance-report={out}", *(pytest_args or files)]
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=ROOT)
     if not os.path.exists(out):
@@ -68,7 +76,8 @@ def main(argv=None) -> int:
         at = argv.index("--")
         argv, pytest_args = argv[:at], argv[at + 1:]
     parser = argparse.ArgumentParser(prog="python -m tests.adapters.conformance", description=__doc__.split("\n")[0])
-    parser.add_argument("impls", nargs="*", default=list(NAMES), help="--rope-impl values (default: all named)")
+    parser.add_argument("impls", nargs="*", default=list(DEFAULT_IMPLS),
+                        help="--rope-impl values (default: all named, and this package's functions in each convention)")
     parser.add_argument("--out", default="conformance.md", help="Markdown file to write (default: conformance.md)")
     parser.add_argument("--title", default="Conformance report")
     args = parser.parse_args(argv)

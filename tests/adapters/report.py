@@ -1,8 +1,9 @@
 """The conformance report: implementation x property, from one pytest run (`--conformance-report PATH`).
 
 Every test that runs the target (it uses the `target` fixture) is a property: conftest.py tags it with
-`property_name(item)`. This plugin, registered on the controller (it sees pytest-xdist workers' reports too),
-collects each property's outcome:
+`property_name(item)` (tests/test_mrope.py's `test_mrope_*`, on the target's mRoPE call, give the `mrope_*` rows).
+This plugin, registered on the controller (it sees pytest-xdist workers' reports too), collects each property's
+outcome:
     pass                      every example passed (with `narrowed` reasons when some fell outside the capabilities)
     fail                      with Hypothesis' shrunk counterexample ("Falsifying example: ...") and the message
     not supported             skipped, with the reason (a capability the implementation lacks)
@@ -74,11 +75,13 @@ def version_of(spec: str) -> str:
     """The installed version of a named implementation's distribution ('' for other targets)."""
     from importlib import metadata
 
-    from . import NAMES, convention_module
+    from . import ALL_NAMES, convention_module, parse
 
-    if spec not in NAMES:
+    if spec not in ALL_NAMES:
         return ""
-    dists = ("rope-triton",) if spec == "rope" else convention_module(spec).DISTS
+    dists = ("rope-triton",) if spec == "rope" else convention_module(parse(spec).convention).DISTS
+    if isinstance(dists, dict):  # a convention of several named implementations: per name
+        dists = dists.get(spec, ())
     for dist in dists:
         try:
             return f"{dist} {metadata.version(dist)}"
@@ -87,13 +90,25 @@ def version_of(spec: str) -> str:
     return ""
 
 
+def capability_rows(target) -> dict:
+    """The target's capability cells: TE's convention, then its multimodal RoPE's ("mRoPE ..." rows)."""
+    rows = dict(target.caps.table())
+    mrope_caps = getattr(target, "mrope_caps", None)
+    if getattr(target, "mrope", None) is None or mrope_caps is None:
+        rows["mRoPE"] = "none"
+        return rows
+    rows["mRoPE"] = f"yes ({mrope_caps.notes})" if mrope_caps.notes else "yes"
+    rows.update({f"mRoPE {k}": v for k, v in mrope_caps.table().items()})
+    return rows
+
+
 class ConformanceReport:
     """pytest plugin: collects outcomes by property name, writes the table at the end of the session."""
 
     def __init__(self, path: str, target, profile: str = ""):
         self.path = path
         self.impl = target.name
-        self.caps = target.caps.table()
+        self.caps = capability_rows(target)
         self.convention = target.convention
         self.profile = profile
         self.version = version_of(target.name)
@@ -183,12 +198,12 @@ def render(runs: list, title: str = "Conformance report", unavailable: Optional[
     if unavailable:
         lines += ["Not installed here: " + "; ".join(f"`{k}`: {_md(v)}" for k, v in unavailable.items()), ""]
     if runs:
-        rows = list(runs[0]["capabilities"])
+        rows = list(dict.fromkeys(row for r in runs for row in r["capabilities"]))  # every run's, in order
         lines += [f"{h2} Capabilities", "", "| capability | " + " | ".join(f"`{r['impl']}`" for r in runs) + " |",
                   "|---|" + "---|" * len(runs)]
         lines.append("| version | " + " | ".join(_md(r.get("version") or "-") for r in runs) + " |")
         for row in rows:
-            lines.append(f"| {row} | " + " | ".join(_md(r["capabilities"].get(row, "")) for r in runs) + " |")
+            lines.append(f"| {row} | " + " | ".join(_md(r["capabilities"].get(row, "-")) for r in runs) + " |")
         lines.append("")
     names = sorted({n for r in runs for n in r["results"]}, key=_order)
     lines += [f"{h2} Properties", "", "| property | " + " | ".join(f"`{i}`" for i in impls) + " |",
