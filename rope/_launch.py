@@ -36,7 +36,8 @@ _PROGRAMS_PER_SM = 8
 _TABLE_ROWS = 8
 # Tables given per stream (transformers' multimodal [3, b, s, d]) hold three rows per token, each read once,
 # from DRAM: a tile takes up to a token's q and k heads (28 + 4 in Qwen2-VL-7B), so that one gather of angles
-# serves all of them. Positions into one shared table (L2-resident rows) keep the tile of 8.
+# serves all of them (16 rows for tensors small enough to be in flight at once). Positions into one shared
+# table (L2-resident rows) keep the tile of 8.
 _TABLE_ROWS_PER_STREAM = 32
 _TABLE_ROWS_SMALL = 16
 _TABLE_ROWS_SMALL_BYTES_PER_SM = 16384
@@ -172,7 +173,7 @@ def _table_tile(tensor_bytes: int, device, spans_batch: bool, per_stream: bool =
     sms = _sm_count(device)
     if tensor_bytes > sms * _THREADS_PER_SM * _TABLE_BYTES_PER_THREAD:
         return (_TABLE_ROWS_PER_STREAM if per_stream else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD
-    tiny = spans_batch and tensor_bytes <= sms * _TABLE_ROWS_SMALL_BYTES_PER_SM
+    tiny = (spans_batch and tensor_bytes <= sms * _TABLE_ROWS_SMALL_BYTES_PER_SM) or per_stream
     return (_TABLE_ROWS_SMALL if tiny else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD_SMALL
 
 

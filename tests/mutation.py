@@ -94,14 +94,15 @@ SELECTION = {
     "rope/functional.py": f"{API} {QK} {CONVENTIONS} {PROPS}",
     "rope/_apply.py": f"{API} {QK} {PROPS}",
     "rope/_launch.py": f"{PROPS} {KERNEL} {API} {QK}",
-    "rope/_kernel.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS}",
+    "rope/_kernel.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/test_mrope.py",
     "rope/_ops.py": nodes("test_compile.py", "test_opcheck", "test_compiled_errors_on_bad_input",
                           "test_fullgraph_matches_eager_and_never_recompiles[interleaved-sbhd]",
                           "test_fullgraph_matches_eager_and_never_recompiles[halfsplit-thd]"),
     "rope/cache.py": f"{CONVENTIONS} -k 'cache or Cache'",
-    "rope/hf.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} -k hf",
+    "rope/hf.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/test_mrope.py -k hf",
     "rope/flash.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} -k flash",
-    "rope/vllm.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} -k vllm",
+    "rope/vllm.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/test_mrope.py -k vllm",
+    "rope/mrope.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/test_mrope.py -k 'mrope or entry'",
 }
 DEFAULT_TESTS = f"{PROPS} {API} {QK}"  # a file not named above
 OUTCOMES = ("killed", "timeout", "survived", "incompetent", "equivalent")
