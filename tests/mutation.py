@@ -92,7 +92,8 @@ SELECTION = {
                          + nodes("test_qk_inplace.py", "test_same_stride_overlap_decision_is_exact")
                          + " " + nodes("test_core.py", "test_empty"),
     "rope/functional.py": f"{API} {QK} {CONVENTIONS} {PROPS}",
-    "rope/_apply.py": f"{API} {QK} {PROPS}",
+    "rope/_apply.py": f"{API} {QK} {PROPS} " + nodes("test_conventions.py",
+                                                     "test_conventions_launch_the_kernel_only_where_it_runs"),
     "rope/_launch.py": f"{PROPS} {KERNEL} {API} {QK}",
     "rope/_kernel.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/test_mrope.py",
     "rope/_ops.py": nodes("test_compile.py", "test_opcheck", "test_compiled_errors_on_bad_input",
