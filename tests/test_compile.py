@@ -105,3 +105,28 @@ def test_inductor_fullgraph():
     y2.backward(g)
     assert torch.equal(y1, y2)
     assert torch.equal(x1.grad, x2.grad)
+
+
+def test_conventions_trace_as_the_reference():
+    """Traced, the conventions (transformers', vLLM's, multimodal) run the reference's PyTorch operations: no
+    graph break with fullgraph=True, and the eager result."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 5, 8, generator=gen).to(DEVICE)
+    k = torch.randn(1, 1, 5, 8, generator=gen).to(DEVICE)
+    ang = (torch.rand(3, 1, 5, 4, generator=gen) * 6).to(DEVICE)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    t = torch.randn(5, 2, 8, generator=gen).to(DEVICE)
+    freqs = (torch.rand(9, 1, 1, 8, generator=gen) * 6).to(DEVICE)
+    positions = torch.randint(0, 9, (3, 5), generator=gen).to(DEVICE)
+
+    def step(q, k, cos, sin, t, freqs, positions):
+        a = rope.hf.apply_rotary_pos_emb(q, k, cos[0], sin[0])
+        b = rope.hf.apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 1, 1])
+        c = rope.mrope.apply_multimodal_rotary_pos_emb(t, freqs, positions, [2, 1, 1])
+        return (*a, *b, c)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for got, want in zip(compiled(q, k, cos, sin, t, freqs, positions), step(q, k, cos, sin, t, freqs, positions),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=2**-20, atol=2**-20)  # float32 evaluations of one map

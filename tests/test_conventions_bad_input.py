@@ -172,6 +172,7 @@ CASES = [
      "cos_sin_cache"),
     ("vllm: is_neox not a bool", vllm_args, dict(is_neox=1), "is_neox"),
     ("vllm: head_size 0", vllm_args, dict(head_size=0), "head_size"),
+    ("vllm: head_size 1", vllm_args, dict(head_size=1), "head_size"),
     # TransformerEngine's packed QKV
     ("qkv: split not summing to the last dim", qkv_args, dict(qkv_split_arg_list=[8, 4, 3]), "qkv_split_arg_list"),
     ("qkv: nq not a multiple of nk", qkv_args, dict(qkv=_r(4, 2, 3, 6 + 4 + 4), qkv_split_arg_list=[6, 4, 4]),

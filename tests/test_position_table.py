@@ -116,3 +116,14 @@ def test_thd_positions_from_the_table(cp, start, angle_source, monkeypatch, pois
         cu = kw["cu_seqlens"]
         lengths = (cu[1:] - cu[:-1]).tolist()
         cu.copy_(cu_seqlens_of(lengths[1:] + lengths[:1]))
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_positions_follow_the_spec_for_every_chunk_length(cp_size):
+    """Every local chunk length c from 1 to 16 (sequences of 2 * cp_size * c tokens): the second chunk's offset
+    (2 cp_size - 1 - cp_rank) c is added to the position within it, whatever bits the two share."""
+    lengths = [2 * cp_size * c for c in range(1, 17)]
+    cu = cu_seqlens_of(lengths)
+    for cp_rank in range(cp_size):
+        got = table_mod._build_positions(cu, sum(lengths) // cp_size, cp_size, cp_rank)
+        assert got.tolist() == _spec_positions(lengths, cp_size, cp_rank)
