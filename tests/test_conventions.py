@@ -344,7 +344,7 @@ def test_hf_sin_with_other_strides_than_cos(poison_outputs):  # noqa: F811
         assert_within_rounding(out, oracle(x, cos[:, None], sin[:, None], False), x, 16, False, "forward")
 
 
-@pytest.mark.parametrize("convention", ["hf", "flash", "vllm"])
+@pytest.mark.parametrize("convention", ["hf", "flash", "vllm", "mrope", "hf-mrope", "vllm-mrope"])
 def test_conventions_launch_the_kernel_only_where_it_runs(convention, monkeypatch):
     """On a GPU, or under Triton's interpreter, each convention launches the kernel (once: q and k
     together); on a CPU without the interpreter it computes the reference and launches nothing."""
@@ -361,7 +361,20 @@ def test_conventions_launch_the_kernel_only_where_it_runs(convention, monkeypatc
         if convention == "flash":
             cos, sin = angles_table(4, 4, torch.float32, gen)
             return rope.flash.apply_rotary_emb(randn((1, 4, 2, 8), torch.float32, gen), cos, sin)
+        positions = torch.randint(0, 4, (3, 4), generator=gen).to(DEVICE)
+        if convention == "mrope":
+            return rope.mrope.apply_multimodal_rotary_pos_emb_qk(
+                randn((4, 2, 8), torch.float32, gen), randn((4, 1, 8), torch.float32, gen),
+                torch.rand(4, 1, 1, 8, generator=gen).to(DEVICE), positions, [2, 1, 1])
+        if convention == "hf-mrope":
+            c = torch.rand(3, 1, 4, 8, generator=gen).to(DEVICE)
+            return rope.hf.apply_multimodal_rotary_pos_emb(randn((1, 2, 4, 8), torch.float32, gen),
+                                                           randn((1, 1, 4, 8), torch.float32, gen), c, c, [2, 1, 1])
         cos, sin = angles_table(4, 4, torch.float32, gen)
+        if convention == "vllm-mrope":
+            return rope.vllm.mrotary_embedding(positions, randn((4, 16), torch.float32, gen),
+                                               randn((4, 8), torch.float32, gen), 8, torch.cat([cos, sin], -1),
+                                               [2, 1, 1])
         return rope.vllm.rotary_embedding(torch.arange(3, device=DEVICE), randn((3, 16), torch.float32, gen),
                                           randn((3, 8), torch.float32, gen), 8, torch.cat([cos, sin], -1), True)
 

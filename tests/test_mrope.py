@@ -404,36 +404,3 @@ def test_entry_equal_streams_match_plain_conventions_bitwise(poison_outputs):  #
     got = rope.mrope.apply_multimodal_rotary_pos_emb(t, freqs, positions.expand(3, n), [1, 2, 3])
     cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
     assert torch.equal(got, rope.apply_rotary_pos_emb(t, freqs[positions], "thd", cu_seqlens=cu))
-
-
-@pytest.mark.ours_only
-@pytest.mark.parametrize("entry", ["mrope", "hf", "vllm"])
-def test_entry_launches_the_kernel_only_where_it_runs(entry, monkeypatch):
-    """One launch (q and k together) on a GPU or under the interpreter; the reference and no launch on a CPU
-    without it."""
-    gen = torch.Generator().manual_seed(2)
-    launches = []
-    real = rope._launch.run
-    monkeypatch.setattr(rope._launch, "run", lambda *a: (launches.append(1), real(*a))[1])
-    positions = torch.randint(0, 6, (3, 4), generator=gen).to(DEVICE)
-
-    def call():
-        if entry == "mrope":
-            return rope.mrope.apply_multimodal_rotary_pos_emb_qk(
-                randn((4, 2, 8), torch.float32, gen), randn((4, 1, 8), torch.float32, gen),
-                (torch.rand(6, 1, 1, 8, generator=gen)).to(DEVICE), positions, [2, 1, 1])
-        if entry == "hf":
-            c = torch.rand(3, 1, 4, 8, generator=gen).to(DEVICE)
-            return rope.hf.apply_multimodal_rotary_pos_emb(randn((1, 2, 4, 8), torch.float32, gen),
-                                                           randn((1, 1, 4, 8), torch.float32, gen), c, c, [2, 1, 1])
-        return rope.vllm.mrotary_embedding(positions, randn((4, 16), torch.float32, gen),
-                                           randn((4, 8), torch.float32, gen), 8, randn((6, 8), torch.float32, gen),
-                                           [2, 1, 1])
-
-    call()
-    assert len(launches) == 1
-    if DEVICE == "cpu":
-        monkeypatch.setattr(rope._apply, "INTERPRET", False)
-        launches.clear()
-        call()
-        assert launches == []
