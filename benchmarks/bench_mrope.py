@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 
 # bench_rope's timing: pytestmark (its clock and round settings) applies to this module's tests too, and
 # copy_gbps is its session fixture, found here by name.
-from bench_rope import L2_BYTES, MAX_CALLS, MODES, REPLAY_US, _calls, copy_gbps, gpu_us, pytestmark  # noqa: E402, F401
+from bench_rope import L2_BYTES, MAX_CALLS, MODES, REPLAY_US, _calls, copy_gbps, gpu_us, pytestmark, rates  # noqa: E402, F401
 from cases import sets_for  # noqa: E402
 from checks import check_impl  # noqa: E402
 from mrope_peers import CASES, IMPLS, make_inputs, reference64  # noqa: E402
@@ -111,12 +111,4 @@ def test_mrope(benchmark, copy_gbps, case, impl_name, mode):  # noqa: F811 (copy
         state["clone"] = {"us": us, "gpu_us": gpu}
     clone = state["clone"]  # empty if clone of this T was deselected
 
-    def ratio(a, b):
-        return a / b if a and b else None
-
-    def gbps(t_us):
-        return ratio(nbytes / 1e3, t_us)  # bytes per µs / 1e3
-
-    info.update(bytes=nbytes, copy_gbps=copy_gbps, us=us, gbps=gbps(us), frac_copy=gbps(us) / copy_gbps, gpu_us=gpu,
-                gpu_gbps=gbps(gpu), gpu_frac_copy=ratio(gbps(gpu), copy_gbps),
-                x_clone=ratio(us, clone.get("us")), gpu_x_clone=ratio(gpu, clone.get("gpu_us")))
+    info.update(rates(nbytes, us, gpu, clone, copy_gbps))

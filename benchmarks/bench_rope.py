@@ -132,6 +132,20 @@ def gpu_us(build, calls) -> float:
     return ms * 1e3 / calls
 
 
+def rates(nbytes: int, us: float, gpu: float | None, clone: dict, copy_gbps: float) -> dict:
+    """extra_info's rates of a benchmark: GB/s, fraction of copy and ratio to clone (of the same case, this run),
+    eager (`us`) and in a graph (`gpu`, None where not captured)."""
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    def gbps(t_us):
+        return ratio(nbytes / 1e3, t_us)  # bytes per µs / 1e3
+
+    return dict(bytes=nbytes, copy_gbps=copy_gbps, us=us, gbps=gbps(us), frac_copy=gbps(us) / copy_gbps, gpu_us=gpu,
+                gpu_gbps=gbps(gpu), gpu_frac_copy=ratio(gbps(gpu), copy_gbps),
+                x_clone=ratio(us, clone.get("us")), gpu_x_clone=ratio(gpu, clone.get("gpu_us")))
+
+
 @pytest.mark.parametrize(("case", "impl_name", "mode"), PARAMS, ids=[f"{c.name}-{i}-{m}" for c, i, m in PARAMS])
 def test_rope(benchmark, copy_gbps, case, impl_name, mode):
     state = _state(case)
@@ -171,12 +185,4 @@ def test_rope(benchmark, copy_gbps, case, impl_name, mode):
         state["clone"] = {"us": us, "gpu_us": gpu}
     clone = state["clone"]  # empty if clone of this case was deselected
 
-    def ratio(a, b):
-        return a / b if a and b else None
-
-    def gbps(t_us):
-        return ratio(nbytes / 1e3, t_us)  # bytes per µs / 1e3
-
-    info.update(bytes=nbytes, copy_gbps=copy_gbps, us=us, gbps=gbps(us), frac_copy=gbps(us) / copy_gbps, gpu_us=gpu,
-                gpu_gbps=gbps(gpu), gpu_frac_copy=ratio(gbps(gpu), copy_gbps),
-                x_clone=ratio(us, clone.get("us")), gpu_x_clone=ratio(gpu, clone.get("gpu_us")))
+    info.update(rates(nbytes, us, gpu, clone, copy_gbps))
