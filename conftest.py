@@ -107,21 +107,40 @@ def pytest_addoption(parser):
              "one of the conventions te, flash, liger, hf, vllm, hf-mrope, vllm-mrope, mrope (tests/adapters; "
              "default: rope:apply_rotary_pos_emb)")
     parser.addoption(
+        "--rope-caps", default="", metavar="KEY=VALUE,...",
+        help="capabilities the --rope-impl target declares where it differs from its convention's defaults, e.g. "
+             "'gqa=false,dtypes=float32' (tests/conformance/spec lists them); also read from the callable's "
+             "rope_capabilities attribute or its module's ROPE_CAPABILITIES")
+    parser.addoption(
+        "--rope-allow-missing", action="store_true",
+        help="a named --rope-impl that is not installed ends the run as skipped (exit status 0) instead of failing "
+             "it: for CI jobs that run where a peer may be absent")
+    parser.addoption(
         "--conformance-report", default=None, metavar="PATH",
         help="write the implementation x property table (pass / fail with the shrunk counterexample / not "
              "supported with the reason) to PATH: Markdown, or JSON when PATH ends in .json")
 
 
+def _target(config):
+    from tests.target import load_target
+
+    return load_target(config.getoption("--rope-impl"), config.getoption("--rope-caps"))
+
+
 def pytest_configure(config):
-    """A --rope-impl that cannot be loaded stops the run with one short line, before collection: a usage error,
-    or, for a named implementation that is not installed, a skipped run (exit status 0) naming how to install it."""
-    from tests.target import Unavailable, load_target
+    """A --rope-impl that cannot be loaded stops the run with one short line, before collection: a usage error.
+    A named implementation that is not installed fails the run too (nothing was tested), naming how to install
+    it; with --rope-allow-missing it ends as skipped (exit status 0)."""
+    from tests.target import Unavailable
 
     spec = config.getoption("--rope-impl")
     try:
-        target = load_target(spec)
+        target = _target(config)
     except Unavailable as e:
-        pytest.exit(f"SKIPPED --rope-impl {spec}: {e}", returncode=0)
+        if config.getoption("--rope-allow-missing"):
+            pytest.exit(f"SKIPPED --rope-impl {spec}: {e}", returncode=0)
+        pytest.exit(f"--rope-impl {spec}: {e} (nothing was tested; --rope-allow-missing makes this a skip)",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
     except Exception as e:  # noqa: BLE001 - any failure to import or resolve is a usage error
         raise pytest.UsageError(f"--rope-impl {spec}: {type(e).__name__}: {e}") from None
     path = config.getoption("--conformance-report")
@@ -137,9 +156,7 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def target(request):
-    from tests.target import load_target
-
-    return load_target(request.config.getoption("--rope-impl"))
+    return _target(request.config)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -176,15 +193,18 @@ def pytest_collection_modifyitems(config, items):
     Every test of the target is tagged with its property name (user property rope_property) for the
     conformance report."""
     from tests.adapters.report import property_name
-    from tests.target import load_target
 
     items.sort(key=lambda item: item.path.name not in _LONGEST_FIRST)  # stable: file order otherwise
-    target = load_target(config.getoption("--rope-impl"))
+    target = _target(config)
+    no_te_call = pytest.mark.skip(reason=f"{target.name} has no call in TransformerEngine's convention")
     for item in items:
         name = property_name(item)
         if name is None:
             continue
         item.user_properties.append(("rope_property", name))
+        if target.fn is None and "conformance" not in item.path.parts:
+            item.add_marker(no_te_call)
+            continue
         why = target.caps.missing_for(name)
         if why:
             item.add_marker(pytest.mark.skip(reason=f"not supported by {target.name}: {why}"))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tests.adapters import (  # noqa: F401 - Unavailable re-exported
+    ALL_CONVENTIONS,
     DEFAULT,
     MROPE_ARGS,
     Capabilities,
@@ -35,7 +36,10 @@ from tests.adapters import (  # noqa: F401 - Unavailable re-exported
     Unavailable,
     load,
 )
+from tests.conformance.registry import Native, resolve
+from tests.conformance.spec import NAMES as CONVENTION_NAMES
 
+NATIVE_ONLY = tuple(n for n in CONVENTION_NAMES if n not in ALL_CONVENTIONS)  # no TE bridge for these
 OURS = {"rope", "rope:apply_rotary_pos_emb", "rope.functional:apply_rotary_pos_emb"}
 REJECTED: Counter = Counter()  # reason -> calls rejected in the current test (conftest clears it per test)
 
@@ -48,6 +52,7 @@ class Target:
     convention: str = "te"
     mrope: Optional[Callable] = None  # the canonical mRoPE call, gated by mrope_caps (see checked_mrope)
     mrope_caps: Optional[MRoPECapabilities] = None
+    native: Native = Native({}, {}, {})  # the conventions certified natively (tests/conformance)
 
     @property
     def is_ours(self) -> bool:
@@ -106,8 +111,19 @@ def _outside(why: str):
     pytest.skip(f"not supported: {why}")
 
 
-def load_target(spec: str) -> Target:
-    """--rope-impl value -> Target. Raises Unavailable for a named implementation that is not installed."""
-    loaded = load(spec)
+@functools.lru_cache(maxsize=None)
+def load_target(spec: str, caps: str = "") -> Target:
+    """--rope-impl (and --rope-caps) -> Target. Raises Unavailable for a named implementation none of whose
+    conventions is installed. A convention the TE bridges do not know (tests/adapters) has no TE-convention
+    call (`fn` None): only its native properties run."""
+    native = resolve(spec, caps)
+    if spec.split(":")[0] in NATIVE_ONLY:
+        return Target(spec, None, Capabilities(), spec.split(":")[0], native=native)
+    try:
+        loaded = load(spec)
+    except Unavailable:
+        if not native.fns:
+            raise
+        return Target(spec, None, Capabilities(), "native", native=native)
     return Target(spec, loaded.fn, loaded.caps, loaded.convention, checked_mrope(loaded.mrope, loaded.mrope_caps),
-                  loaded.mrope_caps)
+                  loaded.mrope_caps, native)

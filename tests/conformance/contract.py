@@ -1,0 +1,87 @@
+"""Side effects: what a call may write and what it must return, checked on every buffer of the case.
+
+Before the call every buffer (each tensor argument's whole storage, padding included) is snapshotted. After
+it: the tensors the convention promises to write hold the result (checked by the oracle comparison); every
+other byte of every buffer is unchanged, bitwise: the inputs, the tables, the positions, the padding around
+a sliced view. Returned objects are the promised ones: the argument itself for an in-place result, a tensor
+sharing no memory with any argument for a new one, None where the convention returns nothing.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class Returned(NamedTuple):
+    """One element of what a call returns: the output `name`; `arg` names the argument it must be (in place),
+    None for a new tensor."""
+    name: str
+    arg: Optional[str] = None
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The bytes of x as integers (NaN payloads and signed zeros compared exactly)."""
+    x = x.detach()
+    if x.dtype == torch.bool:
+        return x.to(torch.uint8)
+    return x.contiguous().view(_BITS[x.element_size()]) if x.is_floating_point() else x
+
+
+def written_mask(buffer: torch.Tensor, views) -> torch.Tensor:
+    """True on the elements of the contiguous `buffer` that the tensors `views` (into it) cover."""
+    mask = torch.zeros(buffer.numel(), dtype=torch.bool, device=buffer.device)
+    for v in views:
+        if v.numel():
+            mask.as_strided(v.shape, v.stride(), v.storage_offset()).fill_(True)
+    return mask.view(buffer.shape)
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class Snapshot:
+    def __init__(self, buffers):
+        self.buffers = list(buffers)
+        self.before = [bits(b).clone() for b in self.buffers]
+
+    def check_unchanged(self, written=()):
+        """Every buffer bitwise as before, except the elements of the `written` tensors (views into them)."""
+        for i, (buf, old) in enumerate(zip(self.buffers, self.before, strict=True)):
+            mine = [w for w in written if same_storage(w, buf)]
+            changed = bits(buf) != old
+            if mine:
+                changed &= ~written_mask(buf, mine)
+            if changed.any():
+                where = tuple(int(j) for j in changed.nonzero()[0])
+                raise AssertionError(
+                    f"side effect: buffer {i} (shape {tuple(buf.shape)}, {buf.dtype}) changed at {where} "
+                    f"({int(changed.sum())} elements), outside the tensors the convention writes")
+
+
+def check_returned(result, promised, args: dict, buffers) -> dict:
+    """The call's result against the promise (a tuple of Returned, a single Returned, or None); returns
+    {output name: tensor}, the outputs that were returned."""
+    if promised is None:
+        assert result is None, f"side effect: expected None (the result is written in place), got {type(result)}"
+        return {}
+    single = isinstance(promised, Returned)
+    items = (promised,) if single else tuple(promised)
+    got = (result,) if single else result
+    if not single:
+        assert isinstance(got, (tuple, list)) and len(got) == len(items), \
+            f"side effect: expected {len(items)} results, got {type(result).__name__}"
+    out = {}
+    for r, g in zip(items, got, strict=True):
+        assert isinstance(g, torch.Tensor), f"side effect: {r.name}: expected a tensor, got {type(g).__name__}"
+        if r.arg is not None:
+            assert g is args[r.arg], f"side effect: {r.name}: expected the argument {r.arg} itself (in place)"
+        else:
+            shared = [i for i, b in enumerate(buffers) if b.numel() and g.numel() and same_storage(g, b)]
+            assert not shared, f"side effect: {r.name}: a new tensor was promised, got one sharing memory with an " \
+                               f"argument (buffer {shared[0]})"
+        out[r.name] = g
+    return out

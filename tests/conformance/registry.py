@@ -1,0 +1,118 @@
+"""Implementations as namespaces of conventions: {convention: callable}, with declared capabilities.
+
+`--rope-impl` resolves here for the native suite:
+    NAME                          a named implementation: every convention it has (NAMED below)
+    CONVENTION:module:callable    one callable in one convention (spec.NAMES)
+    module:callable               TransformerEngine's convention (certified by the TE properties; no native
+                                  convention here)
+A target declares what it lacks, so that a missing feature is reported as "not supported" instead of
+failing every property: a `rope_capabilities` attribute on the callable ({capability: value}), a
+`ROPE_CAPABILITIES` dict in its module ({convention: {capability: value}}), or `--rope-caps
+"gqa=false,dtypes=float32"` (spec/<convention>.py lists each convention's capabilities).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import NamedTuple
+
+import torch
+
+from . import spec
+
+# named implementation -> {convention: (candidate "module:attr" paths, declared capabilities)}
+NAMED = {
+    "rope": {
+        "hf": (("rope.hf:apply_rotary_pos_emb",), {}),
+        "flash": (("rope.flash:apply_rotary_emb",), {}),
+        "vllm": (("rope.vllm:rotary_embedding",), {}),
+        "hf-mrope": (("rope.hf:apply_multimodal_rotary_pos_emb",), {}),
+        "qwen3vl-mrope": (("rope.hf:apply_multimodal_rotary_pos_emb",), {"_keywords": {"mrope_interleaved": True}}),
+        "vllm-mrope": (("rope.vllm:mrotary_embedding",), {}),
+        "mrope": (("rope.mrope:apply_multimodal_rotary_pos_emb",), {}),
+        "te-qkv": (("rope:apply_fused_qkv_rotary_pos_emb",), {}),
+    },
+    "hf": {"hf": (("transformers.models.llama.modeling_llama:apply_rotary_pos_emb",), {"accuracy": "dtype"})},
+    "flash": {"flash": (("flash_attn.layers.rotary:apply_rotary_emb",), {})},
+    "liger": {"liger": (("liger_kernel.transformers.rope:liger_rotary_pos_emb",), {})},
+    "liger-mrope": {"hf-mrope": (("liger_kernel.transformers.qwen2vl_mrope:liger_multimodal_rotary_pos_emb",),
+                                 {})},
+    "vllm": {"vllm": (("vllm._custom_ops:rotary_embedding",), {})},
+    "te": {"te-qkv": (("transformer_engine.pytorch.attention.rope:apply_fused_qkv_rotary_pos_emb",
+                       "transformer_engine.pytorch.attention:apply_fused_qkv_rotary_pos_emb"), {})},
+}
+OURS = ("rope", "rope:apply_rotary_pos_emb", "rope.functional:apply_rotary_pos_emb")
+
+
+class Native(NamedTuple):
+    fns: dict  # convention -> callable
+    caps: dict  # convention -> declared capabilities
+    missing: dict  # convention -> why it could not be imported (named implementations only)
+
+
+def import_attr(path: str):
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def parse_caps(text: str) -> dict:
+    """"gqa=false,dtypes=float32+bfloat16,accuracy=dtype" -> {"gqa": False, "dtypes": (float32, bfloat16), ...};
+    a value with '+' or naming a dtype is a tuple, true/false a bool, digits an int."""
+    out = {}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--rope-caps: expected KEY=VALUE, got {item!r}")
+        parts = value.split("+")
+        if all(hasattr(torch, p) and isinstance(getattr(torch, p), torch.dtype) for p in parts):
+            out[key] = tuple(getattr(torch, p) for p in parts)
+        elif value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+        elif len(parts) > 1:
+            out[key] = tuple(int(p) if p.isdigit() else p for p in parts)
+        else:
+            out[key] = int(value) if value.isdigit() else value
+    return out
+
+
+def declared(fn, module, convention: str) -> dict:
+    caps = dict(getattr(fn, "rope_capabilities", None) or {})
+    per_module = getattr(module, "ROPE_CAPABILITIES", None) or {}
+    return {**per_module.get(convention, {}), **caps}
+
+
+def resolve(spec_text: str, cli_caps: str = "") -> Native:
+    """--rope-impl -> the native namespace. Unknown conventions are a ValueError; a named implementation with
+    none of its conventions importable has them all in `missing`."""
+    spec_text = (spec_text or "").strip()
+    extra = parse_caps(cli_caps)
+    name = "rope" if spec_text in OURS else spec_text
+    if name in NAMED:
+        fns, caps, missing = {}, {}, {}
+        for conv, (paths, defaults) in NAMED[name].items():
+            errors = []
+            for path in paths:
+                try:
+                    fns[conv] = import_attr(path)
+                    break
+                except Exception as e:  # noqa: BLE001 - not installed, or an install that fails to import
+                    errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:120])
+            if conv in fns:
+                defaults = dict(defaults)
+                keywords = defaults.pop("_keywords", None)  # a fixed keyword makes the callable this convention
+                if keywords:
+                    fns[conv] = functools.partial(fns[conv], **keywords)
+                caps[conv] = {**defaults, **extra}
+            else:
+                missing[conv] = errors[0] if errors else "no candidate"
+        return Native(fns, caps, missing)
+    parts = spec_text.split(":")
+    if len(parts) == 3 and parts[0] in spec.NAMES:
+        conv, path = parts[0], f"{parts[1]}:{parts[2]}"
+        fn = import_attr(path)
+        module = importlib.import_module(parts[1])
+        return Native({conv: fn}, {conv: {**declared(fn, module, conv), **extra}}, {})
+    return Native({}, {}, {})  # TE's convention, or a convention the TE bridges alone know

@@ -1,0 +1,97 @@
+"""The generic checks, one call each: what test_native.py runs per drawn plan, and test_zoo.py on planted bugs.
+
+forward(conv, fn, caps, plan): the call's outputs (returned, and written in place) within the accuracy model of
+    the float64 definition; the promised objects returned; nothing else written (contract.py).
+backward(conv, fn, caps, plan): the differentiable arguments given as views of tensors that require grad (as
+    a projection's q and k are), random upstream gradients on every output; each gradient within the accuracy
+    model of the float64 definition's vector-Jacobian product; the upstream gradients left as they were.
+inverse(conv, fn, caps, plan): the convention's own call with the angles negated undoes the first (oracle-free).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import accuracy, pairing
+from .contract import Snapshot, check_returned
+from .tensors import Arena
+
+
+def make_case(conv, caps, plan, device=None):
+    arena = Arena(plan.seed) if device is None else Arena(plan.seed, device)
+    case = conv.build(plan, arena)
+    case.caps = caps
+    return case
+
+
+def inputs64(case, grad=()):
+    """Every floating tensor argument as float64 (as given: already rounded to its dtype), on the CPU; those
+    named in `grad` as leaves that require grad. Integer tensors (positions, offsets) as int64, on the CPU."""
+    out = {}
+    for name, v in case.args.items():
+        if isinstance(v, torch.Tensor):
+            w = v.detach().cpu()
+            w = w.double() if w.is_floating_point() else w.long()
+            out[name] = w.clone().requires_grad_(name in grad)
+    return out
+
+
+def outputs(conv, case, result):
+    """{output name: tensor} from what the call returned and what it wrote, after the side-effect checks on
+    the returned objects."""
+    writes, promise = conv.effects(case)
+    got = check_returned(result, promise, case.args, case.buffers)
+    for name in writes:
+        if name not in got and case.args.get(name) is not None:
+            got[name] = case.args[name]
+    return got, [case.args[n] for n in writes if case.args.get(n) is not None]
+
+
+def compare(conv, case, expect: dict, got: dict, what: str):
+    model = case.caps.get("accuracy", "float32")
+    for name, e in expect.items():
+        assert name in got, f"{what}: no output {name!r}"
+        value = conv.read(case, name, got[name])
+        copied = pairing.copied_mask(e.value.shape[-1], e.rot)
+        scale = pairing.pair_scale(e.source, e.rot, e.interleaved)
+        accuracy.check(f"{what} {name}", value, e.value, scale, e.dtype, model, copied)
+
+
+def forward(conv, fn, caps, plan):
+    case = make_case(conv, caps, plan)
+    x64 = inputs64(case)
+    snap = Snapshot(case.buffers)
+    with torch.no_grad():
+        result = case.call(fn)
+    got, written = outputs(conv, case, result)
+    snap.check_unchanged(written)
+    compare(conv, case, conv.define(case, x64), got, "forward:")
+
+
+def backward(conv, fn, caps, plan):
+    case = make_case(conv, caps, plan)
+    names = [n for n in conv.DIFFERENTIABLE if case.args.get(n) is not None]
+    x64 = inputs64(case, grad=names)
+    leaves = {}
+    for n in names:  # the argument stays a view in its layout, now of a tensor in the graph
+        leaves[n] = case.args[n].detach().clone().requires_grad_()
+        case.args[n].copy_(leaves[n])
+    result = case.call(fn)
+    got, _ = outputs(conv, case, result)
+    expect = conv.define(case, x64)
+    gen = torch.Generator().manual_seed(plan.seed + 1)
+    ups = {n: torch.randn(tuple(got[n].shape), generator=gen, dtype=torch.float64).to(got[n].dtype)
+           .to(got[n].device) for n in expect}
+    snap = Snapshot(list(ups.values()))
+    torch.autograd.backward([got[n] for n in expect], [ups[n] for n in expect])
+    snap.check_unchanged()
+    up64 = {n: conv.read(case, n, ups[n]).detach().cpu().double() for n in expect}
+    grads = torch.autograd.grad([expect[n].value for n in expect], [x64[n] for n in names],
+                                [up64[n] for n in expect], allow_unused=True)
+    for n, ref in zip(names, grads, strict=True):
+        g = leaves[n].grad
+        assert g is not None, f"backward: no gradient for {n}"
+        e = expect[conv.grad_of(case, n)]
+        ref = torch.zeros_like(x64[n]) if ref is None else ref
+        scale = pairing.pair_scale(up64[conv.grad_of(case, n)], e.rot, e.interleaved).reshape(ref.shape)
+        accuracy.check(f"backward: grad of {n}", g, ref, scale, case.args[n].dtype,
+                       case.caps.get("accuracy", "float32"), pairing.copied_mask(ref.shape[-1], e.rot))

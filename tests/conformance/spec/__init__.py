@@ -1,0 +1,103 @@
+"""A convention: its signature, what it can express, how to draw its arguments, what it defines.
+
+Each module here defines one `Convention` subclass: `NAME`, `SIGNATURE` (its parameters in order), `CAPS`
+(capability -> (default, meaning); a target declares where it differs), `DIFFERENTIABLE` (the arguments whose
+gradient the convention promises; empty where it has no backward), and
+    plans(caps)          a Hypothesis strategy of the call's structure (printable; tensors built from its seed)
+    build(plan, arena)   -> Case: the native arguments, every tensor a view into an arena buffer
+    effects(case)        -> (the argument names it writes, what it returns: contract.Returned or a tuple of them)
+    define(case, x64)    -> {output name: Expect}: in float64, what the convention defines, from the inputs as
+                            given (x64: every floating argument as float64, the differentiable ones leaves)
+    read(case, name, t)  -> an output arranged as define's value (default: as it is)
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from hypothesis import settings
+
+from ..tensors import DEVICE
+
+NAMES = ("hf", "liger", "flash", "vllm", "hf-mrope", "vllm-mrope", "mrope", "qwen3vl-mrope", "te-qkv")
+
+
+class Expect(NamedTuple):
+    value: torch.Tensor  # float64, what the convention defines
+    source: torch.Tensor  # float64, the rotated input arranged as value (its pairs give the accuracy scale)
+    rot: int  # rotary width: channels past it are copies
+    interleaved: bool
+    dtype: torch.dtype  # the output's dtype
+
+
+@dataclass
+class Case:
+    plan: Any
+    args: dict  # name -> value, in the signature's order
+    positional: int  # how many of args go positionally
+    buffers: list = field(default_factory=list)
+    info: dict = field(default_factory=dict)  # what the oracle needs beyond the arguments
+    caps: dict = field(default_factory=dict)  # the capabilities in force (set by the runner)
+
+    def call(self, fn):
+        names = list(self.args)
+        return fn(*(self.args[n] for n in names[:self.positional]),
+                  **{n: self.args[n] for n in names[self.positional:]})
+
+
+class Convention:
+    NAME = ""
+    SIGNATURE: tuple = ()
+    CAPS: dict = {}
+    DIFFERENTIABLE: tuple = ()
+
+    def caps(self, declared: dict = None) -> dict:
+        """The capabilities in force: the defaults, overridden by what the target declares (unknown keys are
+        an error, so that a typo cannot silently widen or narrow a certification)."""
+        declared = declared or {}
+        unknown = set(declared) - set(self.CAPS)
+        if unknown:
+            raise ValueError(f"{self.NAME}: unknown capabilities {sorted(unknown)}; known: {sorted(self.CAPS)}")
+        return {**{k: v[0] for k, v in self.CAPS.items()}, **declared}
+
+    def plans(self, caps: dict):
+        raise NotImplementedError
+
+    def build(self, plan, arena) -> Case:
+        raise NotImplementedError
+
+    def effects(self, case: Case):
+        raise NotImplementedError
+
+    def define(self, case: Case, x64: dict) -> dict:
+        raise NotImplementedError
+
+    def read(self, case: Case, name: str, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def grad_of(self, case: Case, arg: str) -> str:
+        """The output whose upstream gradient arg's gradient rotates back (for the accuracy scale)."""
+        return arg
+
+
+def profile() -> str:
+    getter = getattr(settings, "get_current_profile_name", None)
+    name = getter() if getter else "default"
+    if name in ("cpu-interp", "gpu", "nightly"):
+        return name
+    return "gpu" if torch.cuda.is_available() else "cpu-interp"
+
+
+def small() -> bool:
+    """Shapes for Triton's interpreter (one program after another on the CPU), or for a device."""
+    return DEVICE.type == "cpu"
+
+
+def load(name: str) -> Convention:
+    return importlib.import_module(f"{__name__}.{name.replace('-', '_')}").CONVENTION
+
+
+def all_conventions() -> dict:
+    return {n: load(n) for n in NAMES}

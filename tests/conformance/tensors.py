@@ -1,0 +1,83 @@
+"""Tensors in any layout, drawn as structure and built from a seed.
+
+A drawn `Layout` says how a tensor lies in memory: the order of its leading dims (the last stays innermost,
+stride 1, as every projection produces it) and padding per dim, so that the tensor is a view into a larger
+buffer (a head slice of a packed qkv, a transposed projection, a slice of a wider table). The padding is NaN:
+an implementation that reads outside its view gets NaN, and one that writes there is caught by the
+side-effect check (contract.py). Values are N(0, 1), never zeros; angles span several turns.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from hypothesis import strategies as st
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class Layout(NamedTuple):
+    order: tuple  # the dims, outermost first, as they lie in memory (the last dim always last)
+    pad: tuple  # extra elements per dim (logical order); the view sits after pad // 2 of them
+
+    @property
+    def plain(self) -> bool:
+        return self.order == tuple(range(len(self.order))) and not any(self.pad)
+
+
+def contiguous(ndim: int) -> Layout:
+    return Layout(tuple(range(ndim)), (0,) * ndim)
+
+
+@st.composite
+def layouts(draw, ndim: int, padded_dims=None, permute: bool = True) -> Layout:
+    """Contiguous half the time; else leading dims permuted and/or padded (`padded_dims`: which may be)."""
+    if ndim == 0 or draw(st.booleans()):
+        return contiguous(ndim)
+    lead = list(range(ndim - 1))
+    order = tuple(draw(st.permutations(lead))) + (ndim - 1,) if permute else tuple(range(ndim))
+    dims = range(ndim) if padded_dims is None else padded_dims
+    pad = tuple(draw(st.sampled_from((0, 0, 1, 3))) if i in dims else 0 for i in range(ndim))
+    return Layout(order, pad)
+
+
+class Arena:
+    """Builds a case's tensors from one seed, and remembers every buffer (for the side-effect check)."""
+
+    def __init__(self, seed: int, device=DEVICE):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.device = device
+        self.buffers: list = []
+
+    def place(self, values: torch.Tensor, layout: Layout = None, fill=float("nan")) -> torch.Tensor:
+        """`values` (on the CPU) as a view with `layout` into a new buffer on the device, `fill` around it."""
+        layout = layout or contiguous(values.dim())
+        shape = [n + p for n, p in zip(values.shape, layout.pad, strict=True)]
+        buffer = torch.full([shape[i] for i in layout.order], fill, dtype=values.dtype) if values.is_floating_point() \
+            else torch.zeros([shape[i] for i in layout.order], dtype=values.dtype)
+        buffer = buffer.to(self.device)
+        inverse = [layout.order.index(i) for i in range(values.dim())]
+        full = buffer.permute(inverse)
+        view = full[tuple(slice(p // 2, p // 2 + n) for n, p in zip(values.shape, layout.pad, strict=True))]
+        view.copy_(values.to(self.device))
+        self.buffers.append(buffer)
+        return view
+
+    def randn(self, shape, dtype, layout: Layout = None) -> torch.Tensor:
+        return self.place(torch.randn(tuple(shape), generator=self.gen, dtype=torch.float64).to(dtype), layout)
+
+    def angles(self, shape, turns: float = 4.0) -> torch.Tensor:
+        """float64 angles in [-turns * 2 pi, turns * 2 pi] (on the CPU; tables are built from them)."""
+        return (torch.rand(tuple(shape), generator=self.gen, dtype=torch.float64) * 2 - 1) * turns * 2 * torch.pi
+
+    def integers(self, low, high, shape, dtype=torch.int64) -> torch.Tensor:
+        return torch.randint(low, high, tuple(shape), generator=self.gen, dtype=torch.int64).to(dtype)
+
+
+def seeds():
+    return st.integers(0, 2**31 - 1)
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")

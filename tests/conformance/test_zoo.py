@@ -1,0 +1,81 @@
+"""The suite on itself: every planted bug (zoo/) is caught by the properties named for it, and every
+convention's correct implementation passes them all, run exactly as `--rope-impl CONVENTION:module:callable`
+runs them (the same plans, checks and capabilities).
+
+The zoo is pure PyTorch, so the budget is generous and fixed (derandomized): a bug that needs a rare
+combination (a 16-bit dtype with an odd layout) is still drawn.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from . import run, spec
+
+ZOO_EXAMPLES = 150
+PROPERTIES = {"forward": run.forward, "backward": run.backward}
+
+
+def zoo(name):
+    return importlib.import_module(f"{__package__}.zoo.{name.replace('-', '_')}")
+
+
+def zoo_modules():
+    out = {}
+    for name in spec.NAMES:
+        try:
+            out[name] = zoo(name)
+        except ModuleNotFoundError:
+            continue
+    return out
+
+
+def falsify(name, prop, fn, declared=None, max_examples=ZOO_EXAMPLES):
+    """Run property `prop` of convention `name` on fn; the failure it finds (an exception), or None."""
+    conv = spec.load(name)
+    caps = conv.caps({**getattr(zoo(name), "CAPS", {}), **(declared or {})})
+    check = PROPERTIES[prop]
+
+    @settings(max_examples=max_examples, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def probe(data):
+        check(conv, fn, caps, data.draw(conv.plans(caps)))
+
+    try:
+        probe()
+    except Exception as e:  # noqa: BLE001 - any failure is the verdict
+        return e
+    return None
+
+
+CASES = [(name, bug, prop) for name, mod in zoo_modules().items() for bug, (_, props) in mod.BUGS.items()
+         for prop in props]
+
+
+@pytest.mark.parametrize("name,bug,prop", CASES, ids=[f"{n}-{b}-{p}" for n, b, p in CASES])
+def test_bug_is_caught(name, bug, prop):
+    fn = zoo(name).BUGS[bug][0]
+    failure = falsify(name, prop, fn)
+    assert failure is not None, f"{name}: the planted bug {bug!r} passed the {prop} property"
+    assert isinstance(failure, AssertionError), f"{name}: {bug!r} crashed {prop} instead of failing a check: " \
+                                                f"{type(failure).__name__}: {failure}"
+
+
+@pytest.mark.parametrize("name", list(zoo_modules()))
+@pytest.mark.parametrize("prop", list(PROPERTIES))
+def test_correct_passes(name, prop):
+    conv = spec.load(name)
+    if prop == "backward" and not conv.DIFFERENTIABLE:
+        pytest.skip(f"{name} has no backward")
+    failure = falsify(name, prop, zoo(name).CORRECT, max_examples=60)
+    assert failure is None, f"{name}: the correct implementation fails {prop}: {failure}"
+
+
+@pytest.mark.parametrize("name", list(zoo_modules()))
+def test_zoo_is_complete(name):
+    """At least six planted bugs per convention."""
+    assert len(zoo(name).BUGS) >= 6, f"{name}: {len(zoo(name).BUGS)} planted bugs"
