@@ -111,7 +111,7 @@ def _outside(why: str):
     pytest.skip(f"not supported: {why}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_target(spec: str, caps: str = "") -> Target:
     """--rope-impl (and --rope-caps) -> Target. Raises Unavailable for a named implementation none of whose
     conventions is installed. A convention the TE bridges do not know (tests/adapters) has no TE-convention
