@@ -17,11 +17,12 @@ from hypothesis import strategies as st
 
 from . import run, spec
 
-CONVENTIONS = spec.NAMES
+CONVENTIONS = spec.available()
 # Examples per property on the CPU (Triton's interpreter runs every kernel program after another): enough to
 # draw every dtype, layout kind and flag of a convention a few times over the CI runs; the GPU profile's 100
 # examples (realistic shapes) are the certification.
-CPU_EXAMPLES = {"forward": 12, "backward": 8}
+CPU_EXAMPLES = {"forward": 12, "backward": 8, "invariant": 6}
+INVARIANTS = [(name, inv) for name in CONVENTIONS for inv in spec.load(name).INVARIANTS]
 
 
 def budget(prop: str) -> settings:
@@ -53,3 +54,11 @@ def test_backward(target, name, data):
         pytest.skip(f"{name}: no backward in this convention" if not conv.DIFFERENTIABLE else
                     f"{target.name} declares no backward for {name}")
     run.backward(conv, fn, caps, data.draw(conv.plans(caps), label="plan"))
+
+
+@pytest.mark.parametrize("name,invariant", INVARIANTS, ids=[f"{n}-{i}" for n, i in INVARIANTS])
+@budget("invariant")
+@given(data=st.data())
+def test_invariant(target, name, invariant, data):
+    conv, fn, caps = convention_of(target, name)
+    conv.INVARIANTS[invariant](conv, fn, caps, data.draw(conv.plans(caps), label="plan"))

@@ -25,7 +25,7 @@ def zoo(name):
 
 def zoo_modules():
     out = {}
-    for name in spec.NAMES:
+    for name in spec.available():
         try:
             out[name] = zoo(name)
         except ModuleNotFoundError:
@@ -37,7 +37,7 @@ def falsify(name, prop, fn, declared=None, max_examples=ZOO_EXAMPLES):
     """Run property `prop` of convention `name` on fn; the failure it finds (an exception), or None."""
     conv = spec.load(name)
     caps = conv.caps({**getattr(zoo(name), "CAPS", {}), **(declared or {})})
-    check = PROPERTIES[prop]
+    check = PROPERTIES[prop] if prop in PROPERTIES else conv.INVARIANTS[prop]
 
     @settings(max_examples=max_examples, derandomize=True, database=None, deadline=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
@@ -65,8 +65,10 @@ def test_bug_is_caught(name, bug, prop):
                                                 f"{type(failure).__name__}: {failure}"
 
 
-@pytest.mark.parametrize("name", list(zoo_modules()))
-@pytest.mark.parametrize("prop", list(PROPERTIES))
+PASSES = [(name, prop) for name in zoo_modules() for prop in (*PROPERTIES, *spec.load(name).INVARIANTS)]
+
+
+@pytest.mark.parametrize("name,prop", PASSES, ids=[f"{n}-{p}" for n, p in PASSES])
 def test_correct_passes(name, prop):
     conv = spec.load(name)
     if prop == "backward" and not conv.DIFFERENTIABLE:

@@ -9,6 +9,8 @@ gradient the convention promises; empty where it has no backward), and
     define(case, x64)    -> {output name: Expect}: in float64, what the convention defines, from the inputs as
                             given (x64: every floating argument as float64, the differentiable ones leaves)
     read(case, name, t)  -> an output arranged as define's value (default: as it is)
+    INVARIANTS           {name: check(conv, fn, caps, plan)}: the convention's own properties (oracle-free
+                         where they can be: layout flags equivalent, in place equal to out of place, ...)
 """
 from __future__ import annotations
 
@@ -52,6 +54,9 @@ class Convention:
     SIGNATURE: tuple = ()
     CAPS: dict = {}
     DIFFERENTIABLE: tuple = ()
+    # The convention's own invariants: name -> check(conv, fn, caps, plan), run as run.forward is (test_native.py
+    # runs each as test_invariant[convention-name]; test_zoo.py names them as catching planted bugs).
+    INVARIANTS: dict = {}
 
     def caps(self, declared: dict = None) -> dict:
         """The capabilities in force: the defaults, overridden by what the target declares (unknown keys are
@@ -99,5 +104,8 @@ def load(name: str) -> Convention:
     return importlib.import_module(f"{__name__}.{name.replace('-', '_')}").CONVENTION
 
 
-def all_conventions() -> dict:
-    return {n: load(n) for n in NAMES}
+def available() -> tuple:
+    """The conventions of NAMES whose module exists."""
+    import importlib.util
+
+    return tuple(n for n in NAMES if importlib.util.find_spec(f"{__name__}.{n.replace('-', '_')}") is not None)
