@@ -5,6 +5,7 @@ Runs on the GPU with realistic shapes, and on the CPU through Triton's interpret
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -67,6 +68,18 @@ def _case(tensor_format, dtype, interleaved, partial, mode, seed, max_angle=10.0
     return t, freqs, g, kw, d2
 
 
+def _stable_seed(*parts) -> int:
+    """A seed from the case's parameters, the same in every process (`hash()` of a string is salted per
+    process, so a failing case would not come back on the next run)."""
+    return zlib.crc32(repr(tuple(map(str, parts))).encode()) % 2**31
+
+
+def test_case_seeds_are_the_same_in_every_process():
+    """The value below was computed in another process (with another PYTHONHASHSEED): a failing case's
+    inputs come back on the next run."""
+    assert _stable_seed("sbhd", torch.bfloat16, True, False, "start") == 519585882
+
+
 @pytest.mark.parametrize("mode", POSITION_MODES, ids=str)
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
@@ -75,8 +88,8 @@ def _case(tensor_format, dtype, interleaved, partial, mode, seed, max_angle=10.0
 def test_matches_float64_reference(tensor_format, dtype, interleaved, partial, mode, angle_source,  # noqa: F811
                                    poison_outputs):  # noqa: F811
     needs_angle_source(angle_source, interleaved)
-    t, freqs, g, kw, d2 = _case(tensor_format, dtype, interleaved, partial, mode, seed=hash(
-        (tensor_format, str(dtype), interleaved, partial, str(mode))) % 2**31)
+    t, freqs, g, kw, d2 = _case(tensor_format, dtype, interleaved, partial, mode, seed=_stable_seed(
+        tensor_format, dtype, interleaved, partial, mode))
     t_before = t.clone()
     out, grad, ref, ref_grad = run_both(t, freqs, g, **kw)
     assert out.dtype == dtype and out.is_contiguous()
