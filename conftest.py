@@ -139,8 +139,8 @@ def pytest_configure(config):
     except Unavailable as e:
         if config.getoption("--rope-allow-missing"):
             pytest.exit(f"SKIPPED --rope-impl {spec}: {e}", returncode=0)
-        pytest.exit(f"--rope-impl {spec}: {e} (nothing was tested; --rope-allow-missing makes this a skip)",
-                    returncode=pytest.ExitCode.USAGE_ERROR)
+        raise pytest.UsageError(f"--rope-impl {spec}: {e} (nothing was tested; --rope-allow-missing makes this "
+                                f"a skip)") from None
     except Exception as e:  # noqa: BLE001 - any failure to import or resolve is a usage error
         raise pytest.UsageError(f"--rope-impl {spec}: {type(e).__name__}: {e}") from None
     path = config.getoption("--conformance-report")

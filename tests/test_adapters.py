@@ -115,14 +115,19 @@ def test_unknown_module_is_a_usage_error_naming_it(request):
     assert len(msg.splitlines()) == 1 and "no_such_module_xyz" in msg and msg.startswith("--rope-impl hf:"), msg
 
 
-def test_not_installed_skips_the_whole_run_in_one_line(tmp_path):
+def test_not_installed_fails_unless_a_skip_is_asked_for(tmp_path):
     """Through pytest itself: a named implementation that does not import (here a flash_attn whose CUDA extension
-    is missing, as on a CPU-only install) ends the run before collection, exit status 0, with one line naming how
-    to install it."""
+    is missing, as on a CPU-only install) ends the run before collection with one line naming how to install it:
+    a failure (nothing was tested, so a CI job must not pass), or with --rope-allow-missing a skip (exit 0)."""
     fake = tmp_path / "flash_attn"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError(\"No module named 'flash_attn_2_cuda'\")\n")
-    skipped = _pytest("--rope-impl", "flash", "tests/test_invariants.py", env={"PYTHONPATH": str(tmp_path)})
+    env = {"PYTHONPATH": str(tmp_path)}
+    failed = _pytest("--rope-impl", "flash", "tests/test_invariants.py", env=env)
+    assert failed.returncode == 4, failed.stdout + failed.stderr
+    out = [ln for ln in (failed.stdout + failed.stderr).splitlines() if ln.strip()]
+    assert len(out) == 1 and out[0].startswith("ERROR: --rope-impl flash:") and "nothing was tested" in out[0], out
+    skipped = _pytest("--rope-impl", "flash", "--rope-allow-missing", "tests/test_invariants.py", env=env)
     assert skipped.returncode == 0, skipped.stdout + skipped.stderr
     out = [ln for ln in (skipped.stdout + skipped.stderr).splitlines() if ln.strip()]
     assert len(out) == 1 and "SKIPPED --rope-impl flash" in out[0], out
@@ -291,6 +296,22 @@ def test_counterexample_is_trimmed():
     assert got.splitlines()[0] == "AssertionError: forward: 3 of 8 elements outside"
     assert "Falsifying example: test(target=Target('hf'), spec=Spec(tensor_format='sbhd', s=2, seed=0))" in got
     assert "reproduce" not in got
+
+
+def test_counterexample_of_several_distinct_failures_keeps_each():
+    """Hypothesis reports distinct failures as an exception group behind a gutter: every part keeps its message
+    and example (none is an empty entry)."""
+    text = "\n".join([
+        "  + Exception Group Traceback (most recent call last):",
+        "  | ExceptionGroup: Hypothesis found 2 distinct failures. (2 sub-exceptions)",
+        "  +-+---------------- 1 ----------------", "    | Traceback (most recent call last):",
+        "    | ValueError: big 51", "    | Falsifying example: test_x(", "    |     n=51,", "    | )",
+        "    | Explanation:", "    |     These lines were always and only run by failing examples:",
+        "    +---------------- 2 ----------------", "    | AssertionError: small 10", "    | assert 10 < 10",
+        "    | Falsifying example: test_x(", "    |     n=10,", "    | )", "    +------------------------------------"])
+    got = report.counterexample(text).splitlines()
+    assert got == ["(1 of 2) ValueError: big 51", "Falsifying example: test_x(n=51)",
+                   "(2 of 2) AssertionError: small 10", "Falsifying example: test_x(n=10)"], got
 
 
 def test_merge_and_splice(tmp_path):

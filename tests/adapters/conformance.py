@@ -25,7 +25,7 @@ from .report import render
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ["tests/test_properties.py", "tests/test_invariants.py", "tests/test_bad_input.py",
-         "tests/test_context_parallel_dist.py", "tests/test_mrope.py"]
+         "tests/test_context_parallel_dist.py", "tests/test_mrope.py", "tests/conformance/test_native.py"]
 # This package's own entry points behind each convention's adapter: the adapters' conversions checked by the suite.
 OURS_IN_CONVENTIONS = ("hf:rope.hf:apply_rotary_pos_emb", "flash:rope.flash:apply_rotary_emb",
                        "vllm:rope.vllm:rotary_embedding", "hf-mrope:rope.hf:apply_multimodal_rotary_pos_emb",

@@ -37,7 +37,7 @@ def property_name(item) -> Optional[str]:
 _EXAMPLE = re.compile(r"\s*(Falsifying (explicit )?example|Failing test case)\b")
 
 
-def counterexample(text: str) -> str:
+def _one_counterexample(text: str) -> str:
     """Hypothesis' shrunk example ("Falsifying example: ..." / "Failing test case: ...") on one wrapped
     paragraph, and the assertion's message: the failure in a few lines."""
     lines = [re.sub(r"^E {1,7}", "", ln) for ln in text.splitlines()]
@@ -46,14 +46,15 @@ def counterexample(text: str) -> str:
         if _EXAMPLE.match(ln):
             block = [ln.strip()]
             for nxt in lines[i + 1:]:
-                if not nxt.strip():
+                if not nxt.strip() or re.match(r"\s*([-=+]{3,}|Explanation:)", nxt):
                     break
                 block.append(nxt.strip())
             flat = re.sub(r"\(\s+", "(", " ".join(block))
             flat = re.sub(r",\s+\)", ")", flat)  # a trailing comma before a closing line, not (x,)
             example = textwrap.wrap(flat, 116, break_on_hyphens=False)[:MAX_EXAMPLE_LINES]
             break
-    errors = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
+    errors = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")] or \
+        [ln.strip() for ln in text.splitlines() if re.match(r"\w*(Error|Exception)\b", ln.strip())][-1:]
     message = [e for e in errors if re.match(r"\w*(Error|Exception|Unsatisfiable)\b", e)][:1] or errors[:1]
     if not message and "crashed" in text:  # pytest-xdist: the worker died (a segfault, an abort)
         message = [ln.strip() for ln in text.splitlines() if "crashed" in ln][:1]
@@ -62,6 +63,23 @@ def counterexample(text: str) -> str:
         return "\n".join(tail + example)
     last = text.strip().splitlines()
     return last[-1][:400] if last else ""
+
+
+_GROUP_PART = re.compile(r"^\s*\+?-[-+]*-* \d+ -+$", re.M)
+_GUTTER = re.compile(r"^\s*[|+] ?", re.M)
+
+
+def counterexample(text: str) -> str:
+    """The failure in a few lines. Hypothesis reports several distinct failures as an exception group, whose
+    parts are printed behind a "|" gutter: each part's message and example, numbered, so that none is lost."""
+    if "Exception Group" not in text and "ExceptionGroup" not in text:
+        return _one_counterexample(text)
+    parts = _GROUP_PART.split(text)[1:]
+    found = [_one_counterexample(_GUTTER.sub("", part)) for part in parts]
+    found = [f for f in found if f]
+    if not found:
+        return _one_counterexample(_GUTTER.sub("", text))
+    return "\n".join(f"({i} of {len(found)}) {f}" for i, f in enumerate(found, 1))
 
 
 def _skip_reason(report) -> str:
@@ -90,9 +108,26 @@ def version_of(spec: str) -> str:
     return ""
 
 
+def native_rows(target) -> dict:
+    """The conventions the target is certified in natively (tests/conformance), with what it declares."""
+    native = getattr(target, "native", None)
+    if native is None:
+        return {}
+    rows = {}
+    for conv in native.fns:
+        declared = {k: v for k, v in native.caps.get(conv, {}).items()}
+        rows[f"native {conv}"] = "yes" + (f" (declares {declared})" if declared else "")
+    for conv, why in native.missing.items():
+        rows[f"native {conv}"] = f"not installed ({why})"
+    return rows
+
+
 def capability_rows(target) -> dict:
-    """The target's capability cells: TE's convention, then its multimodal RoPE's ("mRoPE ..." rows)."""
-    rows = dict(target.caps.table())
+    """The target's capability cells: TE's convention, then its multimodal RoPE's ("mRoPE ..." rows), then the
+    native conventions ("native ..." rows)."""
+    if target.fn is None:
+        return native_rows(target)
+    rows = {**target.caps.table(), **native_rows(target)}
     mrope_caps = getattr(target, "mrope_caps", None)
     if getattr(target, "mrope", None) is None or mrope_caps is None:
         rows["mRoPE"] = "none"
