@@ -41,6 +41,11 @@ def apply(ts, call, angles, start_positions=None, token_index=None, pos_table=Fa
     """Rotated ts (a tuple: t, or q and k), differentiable in ts where autograd records."""
     state = (call, angles, start_positions, token_index, pos_table, inplace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        if inplace and len(ts) > 1 and (ts[0]._is_view() or ts[1]._is_view()):
+            # Autograd rebases the history of a view written in place only for a Function of one output
+            # (q and k sliced from a fused qkv projection): then one launch each.
+            return (_RoPEFunction.apply(state, ts[0])[0],
+                    _RoPEFunction.apply((call.for_tensor(ts[1]), *state[1:]), ts[1])[0])
         return _RoPEFunction.apply(state, *ts)
     return rotate_all(state, ts, False)
 

@@ -62,6 +62,21 @@ def check_t_and_freqs(t, freqs, tensor_format, interleaved, allow_float64: bool,
         raise ValueError(f"freqs: expected the device of {name} ({t.device}), got {freqs.device}")
 
 
+def check_bools(**flags) -> None:
+    """Flags are bools, as `interleaved` is: a string or a number is refused, not read as true or false."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
+def check_float_tensor(name: str, x) -> None:
+    """A tensor the kernel rotates: float32, float16 or bfloat16 (the conventions without a reference option)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {x.dtype}")
+
+
 def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
                  allow_float64: bool, name: str = "t") -> Layout:
     check_t_and_freqs(t, freqs, tensor_format, interleaved, allow_float64, name)
@@ -102,13 +117,31 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
 
 
 def check_inplace(name: str, x: torch.Tensor) -> None:
-    """In-place rotation needs every element stored once, and autograd must be able to record it."""
+    """In-place rotation needs every element stored once, and autograd must be able to record it: checked
+    here, before the kernel writes, since autograd itself refuses only after a Function's forward ran."""
     if torch._debug_has_internal_overlap(x) == 1:
         raise ValueError(f"{name}: in-place rotation needs a tensor whose elements do not overlap in memory "
                          f"(an expanded or stride-0 view was given, strides {tuple(x.stride())})")
-    if x.requires_grad and x.is_leaf and torch.is_grad_enabled():
-        raise ValueError(f"{name}: in-place rotation of a leaf tensor that requires grad; rotate a copy, or "
-                         f"use inplace=False")
+    if x.requires_grad and torch.is_grad_enabled():
+        if x.is_leaf:
+            raise ValueError(f"{name}: in-place rotation of a leaf tensor that requires grad; rotate a copy, or "
+                             f"use inplace=False")
+        if x._is_view() and not _rebasable(x):
+            raise ValueError(f"{name}: in-place rotation of a view that autograd does not let be modified in place "
+                             f"(a view of a leaf that requires grad, or an output of split/unbind/chunk); rotate a "
+                             f"copy, or use inplace=False")
+
+
+_CREATION_META = getattr(torch._C._autograd, "_get_creation_meta", None)
+
+
+def _rebasable(view: torch.Tensor) -> bool:
+    """Whether autograd lets this view of a tensor that requires grad be modified in place (its rules in
+    `check_inplace` of torch/csrc/autograd/VariableTypeUtils.h): not a view of a leaf, and made by a view
+    function of one output in grad mode."""
+    if view._base.is_leaf:
+        return False
+    return _CREATION_META is None or _CREATION_META(view) == torch._C._autograd.CreationMeta.DEFAULT
 
 
 def _span(x: torch.Tensor) -> tuple:
@@ -153,7 +186,7 @@ def _same_stride_views_overlap(shape_q, shape_k, strides, delta) -> bool | None:
     return search(0, delta)
 
 
-def check_disjoint(q: torch.Tensor, k: torch.Tensor) -> None:
+def check_disjoint(q: torch.Tensor, k: torch.Tensor, names: tuple = ("q", "k")) -> None:
     """In-place q and k in one launch must not share an element (their rows go to different
     programs, which would race). Separate buffers pass at once; views of one buffer (q and k sliced
     from a fused qkv projection) are decided exactly when they have the same strides, and refused
@@ -173,8 +206,8 @@ def check_disjoint(q: torch.Tensor, k: torch.Tensor) -> None:
             _DISJOINT.clear()
         _DISJOINT[key] = overlap
     if overlap:
-        raise ValueError("k: in-place rotation of q and k that share memory (or whose strides differ, so that "
-                         "they cannot be shown not to); pass disjoint tensors")
+        raise ValueError(f"{names[1]}: in-place rotation of {names[0]} and {names[1]} that share memory (or whose "
+                         f"strides differ, so that they cannot be shown not to); pass disjoint tensors")
 
 
 def check_pair(q, k, tensor_format: str) -> None:
@@ -321,7 +354,7 @@ class Call:
     (`rope._launch`), so that a repeated signature costs one dict lookup."""
 
     __slots__ = ("layout", "tensor_format", "interleaved", "has_start", "cp_size", "cp_rank", "checks_values",
-                 "empty", "plans")
+                 "empty", "plans", "others")
 
     def __init__(self, layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank):
         self.layout, self.tensor_format, self.interleaved = layout, tensor_format, interleaved
@@ -329,6 +362,30 @@ class Call:
         self.checks_values = start_positions is not None or cu_seqlens is not None
         self.empty = layout.s * layout.b * layout.h * layout.d == 0
         self.plans = {}
+        self.others = None
+
+    def for_tensor(self, x: torch.Tensor) -> Call:
+        """This call for another tensor of its tokens and head dim (k beside q), rotated on its own: x's heads
+        in the layout, and plans of its own (a call's key fixes the strides of its tensor, so the plans of
+        single launches need not hold them)."""
+        if self.others is None:
+            self.others = {}
+        key = (x.shape, x.stride())
+        call = self.others.get(key)
+        if call is None:
+            call = Call.__new__(Call)
+            for name in Call.__slots__:
+                setattr(call, name, getattr(self, name))
+            call.layout = self.layout._replace(h=x.shape[-2])
+            call.empty = x.numel() == 0
+            call.plans, call.others = {}, None
+            if len(self.others) >= _OTHERS_MAX:
+                self.others.clear()
+            self.others[key] = call
+        return call
+
+
+_OTHERS_MAX = 16
 
 
 _CALLS: dict = {}

@@ -6,7 +6,16 @@ import torch
 from . import _ops, reference
 from ._apply import _RoPEFunction, apply
 from ._launch import INTERPRET, angles_for, rotate, table_angles, token_index_for
-from ._validate import check_disjoint, check_inplace, check_pair, check_positions, check_static, checked_call
+from ._validate import (
+    check_bools,
+    check_disjoint,
+    check_inplace,
+    check_pair,
+    check_positions,
+    check_static,
+    check_t_and_freqs,
+    checked_call,
+)
 from .cache import RoPECache
 
 
@@ -36,7 +45,12 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     flows to `t` only (as in TransformerEngine's fused path, `freqs` gets none).
     inplace=True (not in TE) rotates `t` itself and returns it (race-free; marked dirty for autograd).
     """
+    if not (isinstance(fused, bool) and isinstance(inplace, bool)):  # `fused` picks the path: checked first
+        check_bools(fused=fused, inplace=inplace)
     if _use_reference(fused, t):
+        # fused=True refuses float64 on every device, as the kernel does: a call's verdict never depends on it
+        check_t_and_freqs(t, freqs.as_freqs if isinstance(freqs, RoPECache) else freqs, tensor_format, interleaved,
+                          allow_float64=not fused)
         out = reference.apply_rotary_pos_emb(t, freqs, tensor_format, start_positions, interleaved,
                                              fused, cu_seqlens, cp_size, cp_rank)
         if inplace:
@@ -57,9 +71,9 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
                           False)
         return t.copy_(out) if inplace else out
     call = checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
-    if inplace:
-        check_inplace("t", t)
     state = _state(call, freqs, cache, start_positions, cu_seqlens, inplace)
+    if inplace:  # after the value checks, in the reference's order
+        check_inplace("t", t)
     if t.requires_grad and torch.is_grad_enabled():
         return _RoPEFunction.apply(state, t)[0]
     # The eager no-grad call, the hot path: straight to the launcher, no tuples built or unpacked.
@@ -75,21 +89,32 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
     backward computes both gradients in one launch too. Same semantics as two calls of
     `apply_rotary_pos_emb`; CPU tensors without the interpreter use the reference twice.
     """
+    if not isinstance(inplace, bool):
+        check_bools(inplace=inplace)
     check_pair(q, k, tensor_format)
     if _use_reference(True, q) or torch.compiler.is_compiling():
         kw = dict(tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved,
-                  cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank, inplace=inplace)
-        return apply_rotary_pos_emb(q, freqs, **kw), apply_rotary_pos_emb(k, freqs, **kw)
+                  cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank)
+        outs = apply_rotary_pos_emb(q, freqs, **kw), apply_rotary_pos_emb(k, freqs, **kw)
+        if not inplace:
+            return outs
+        if not torch.compiler.is_compiling():  # both checked before either is written, as on the kernel path
+            _check_inplace_qk(q, k)
+        return q.copy_(outs[0]), k.copy_(outs[1])
     cache = freqs if isinstance(freqs, RoPECache) else None
     freqs = freqs if cache is None else cache.as_freqs
     call = checked_call(q, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "q")
     checked_call(k, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "k")
-    if inplace:
-        check_inplace("q", q)
-        check_inplace("k", k)
-        check_disjoint(q, k)
     state = _state(call, freqs, cache, start_positions, cu_seqlens, inplace)
+    if inplace:
+        _check_inplace_qk(q, k)
     return apply((q, k), *state)
+
+
+def _check_inplace_qk(q, k):
+    check_inplace("q", q)
+    check_inplace("k", k)
+    check_disjoint(q, k)
 
 
 def apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",

@@ -1,14 +1,18 @@
 """q and k in one launch, and the in-place mode (docs/contract.md section 7)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
+from unittest import mock
 
 import pytest
 import torch
 
 import rope
+import rope._apply
 import rope._launch
+import rope.functional
 from rope import reference
 
 from .cases import DEVICE, angle_source, make_freqs, make_t, needs_angle_source, poison_outputs  # noqa: F401
@@ -241,3 +245,113 @@ def test_inplace_qk_backward_leaves_the_upstream_gradients():
         x64 = leaf.detach().double().requires_grad_()
         rope.reference.apply_rotary_pos_emb(x64, freqs).backward(g.double())
         torch.testing.assert_close(leaf.grad.double(), x64.grad, rtol=2**-20, atol=2**-20)
+
+
+# ---- in place on views of a tensor that requires grad ------------------------------------------
+
+@contextlib.contextmanager
+def reference_path(on: bool):
+    """Within it (on), every entry point takes its CPU reference path, as without Triton's interpreter."""
+    if not on or DEVICE != "cpu":
+        yield
+        return
+    with mock.patch.object(rope.functional, "INTERPRET", False), mock.patch.object(rope._apply, "INTERPRET", False):
+        yield
+
+
+H, HD, T = 2, 8, 5  # heads, head dim, tokens
+
+
+def _projected(gen, width, lead=(S, B)):
+    """A fused projection x @ w that requires grad (a non-leaf): q, k and v are views of it."""
+    w = torch.randn(16, width, generator=gen).to(DEVICE).requires_grad_()
+    x = torch.randn(*lead, 16, generator=gen).to(DEVICE)
+    return w, x @ w
+
+
+def _views_call(convention, gen):
+    """(w, the fused projection, a function rotating views of it in place) for one convention."""
+    freqs = make_freqs(16, HD, gen)
+    half = (torch.rand(16, HD // 2, generator=gen) * 6).to(DEVICE)
+    cache = torch.cat([half.cos(), half.sin()], dim=-1)
+    if convention in ("qk", "te"):
+        w, y = _projected(gen, 3 * H * HD)
+        qkv = y.view(S, B, 3 * H, HD)
+        q, k = qkv[:, :, :H], qkv[:, :, H:2 * H]
+        if convention == "te":
+            return w, y, lambda: rope.apply_rotary_pos_emb(k, freqs, inplace=True)
+        return w, y, lambda: rope.apply_rotary_pos_emb_qk(q, k, freqs, inplace=True)
+    if convention == "flash":
+        w, y = _projected(gen, 3 * H * HD, (B, S))
+        x = y.view(B, S, 3 * H, HD)[:, :, H:2 * H]
+        return w, y, lambda: rope.flash.apply_rotary_emb(x, half.cos(), half.sin(), inplace=True)
+    w, y = _projected(gen, 3 * H * HD, (T,))
+    query, key = y[:, :H * HD], y[:, H * HD:2 * H * HD]
+    if convention == "vllm":
+        positions = torch.randint(0, 16, (T,), generator=gen).to(DEVICE)
+        return w, y, lambda: rope.vllm.rotary_embedding(positions, query, key, HD, cache, True)
+    positions = torch.randint(0, 16, (3, T), generator=gen).to(DEVICE)
+    return w, y, lambda: rope.vllm.mrotary_embedding(positions, query, key, HD, cache, [2, 1, 1])
+
+
+VIEW_CONVENTIONS = ["qk", "te", "flash", "vllm", "vllm-mrope"]
+
+
+@pytest.mark.parametrize("convention", VIEW_CONVENTIONS)
+def test_inplace_on_views_of_a_grad_tensor(convention):
+    """The fused-QKV training pattern: q and k are views of one projection that requires grad, rotated in
+    place. The kernel path gives the reference path's values and gradients (autograd rebases a view's
+    history only for a Function of one output: q and k then take one launch each)."""
+    results = []
+    for on in (False, True):
+        gen = torch.Generator().manual_seed(11)
+        w, y, call = _views_call(convention, gen)
+        g = torch.randn(y.shape, generator=gen).to(DEVICE)
+        with reference_path(on):
+            call()
+        (y * g).sum().backward()
+        results.append((y.detach(), w.grad))
+    (y_kernel, grad_kernel), (y_ref, grad_ref) = results
+    torch.testing.assert_close(y_kernel, y_ref)
+    torch.testing.assert_close(grad_kernel, grad_ref)
+
+
+def _refused_view(kind, gen):
+    """(the tensor whose memory the views share, the views' call, the argument named) of an in-place call
+    that autograd does not allow: on a view of a leaf that requires grad, or on an output of split."""
+    if kind.endswith("leaf"):
+        base = torch.randn(S, B, 3 * H, HD, generator=gen).to(DEVICE).requires_grad_()
+        parts = base[:, :, :H], base[:, :, H:2 * H]
+    else:
+        base = torch.randn(S, B, 3 * H, HD, generator=gen).to(DEVICE).requires_grad_() * 1
+        parts = base.split(H, dim=2)[:2]
+    freqs = make_freqs(16, HD, gen)
+    half = (torch.rand(16, HD // 2, generator=gen) * 6).to(DEVICE)
+    if kind.startswith("qk"):
+        # only k is refused: q must not be written either
+        q = torch.randn(S, B, H, HD, generator=gen).to(DEVICE).requires_grad_() * 1
+        return base, lambda: rope.apply_rotary_pos_emb_qk(q, parts[1], freqs, inplace=True), "k"
+    if kind.startswith("flash"):
+        return base, lambda: rope.flash.apply_rotary_emb(parts[0].transpose(0, 1), half.cos(), half.sin(),
+                                                         inplace=True), "x"
+    if kind.startswith("vllm"):
+        flat = base.flatten(2)  # [S, B, 3 * H * HD]: tokens S * B
+        positions = torch.zeros(S, B, dtype=torch.int64, device=DEVICE)
+        cache = torch.cat([half.cos(), half.sin()], dim=-1)
+        query = flat[..., :H * HD]
+        return base, lambda: rope.vllm.rotary_embedding(positions, query, None, HD, cache, True), "query"
+    return base, lambda: rope.apply_rotary_pos_emb(parts[0], freqs, inplace=True), "t"
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["kernel", "reference"])
+@pytest.mark.parametrize("kind", ["te-leaf", "te-split", "qk-leaf", "qk-split", "flash-leaf", "flash-split",
+                                  "vllm-leaf"])
+def test_inplace_on_views_autograd_refuses_writes_nothing(kind, on):
+    """Where autograd refuses to rebase a view written in place, every path refuses before writing, with
+    a ValueError naming the argument (autograd itself would refuse only after the kernel ran)."""
+    gen = torch.Generator().manual_seed(12)
+    base, call, name = _refused_view(kind, gen)
+    before = base.detach().clone()
+    with reference_path(on), pytest.raises(ValueError, match=rf"^{name}: in-place rotation of a .*(leaf|view)"):
+        call()
+    assert torch.equal(base.detach(), before), "written before the error"
