@@ -54,6 +54,18 @@ def token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size,
     return pos
 
 
+def rows_at(table, pos):
+    """Rows `pos` of `table` [rows, ...]: a position outside the table (value checks off, docs/contract.md
+    section 5) reads no row and gets NaN, as in the kernel, instead of an IndexError or, negative, a row
+    counted from the end."""
+    n = table.shape[0]
+    inside = (pos >= 0) & (pos < n)
+    if n == 0:
+        return table.new_full((*pos.shape, *table.shape[1:]), float("nan"))
+    rows = table[pos.clamp(0, n - 1)]
+    return torch.where(inside.reshape(*pos.shape, *(1,) * (table.dim() - 1)), rows, float("nan"))
+
+
 def rotate(t, cos, sin, interleaved):
     """t[..., :d2] rotated by per-channel cos/sin (broadcastable to it, d2 = their last size), the rest
     copied: channel i gets t_i cos_i + sigma(i) t_pi(i) sin_i. Arithmetic in float64 if t or the tables
@@ -73,7 +85,7 @@ def full_width(half_table, interleaved):
 
 def rotate_rows(t, cos, sin, pos, tensor_format, interleaved):
     """`rotate` by rows `pos` (`token_positions`' shape) of full-width tables cos/sin [rows, d2]."""
-    cos, sin = cos[pos], sin[pos]  # [s, b, d2] or [t, d2]
+    cos, sin = rows_at(cos, pos), rows_at(sin, pos)  # [s, b, d2] or [t, d2]
     if tensor_format == "bshd":
         cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
     return rotate(t, cos.unsqueeze(-2), sin.unsqueeze(-2), interleaved)  # broadcast over heads
@@ -109,9 +121,10 @@ def apply_multimodal_rotary_pos_emb(t, freqs, positions, mrope_section, tensor_f
     lead = t.shape[:-2]
     pos = positions.long().expand(3, *lead)
     if cache is not None:
-        cos, sin = cache.cos[pos], cache.sin[pos]
+        cos, sin = rows_at(cache.cos, pos), rows_at(cache.sin, pos)
     else:
-        f = freqs[:, 0, 0, :].to(torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32)[pos]
+        f = rows_at(freqs[:, 0, 0, :].to(torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32),
+                    pos)
         cos, sin = torch.cos(f), torch.sin(f)
     stream = section_of_pair(mrope_section, cos.shape[-1] // 2, mrope_interleaved)
     cos, sin = (select_streams(tab, stream, interleaved) for tab in (cos, sin))
@@ -132,7 +145,7 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     if cache is not None:
         return rotate_rows(t, cache.cos, cache.sin, pos, tensor_format, interleaved)
     angles = freqs[:, 0, 0, :].to(torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32)
-    f = angles[pos]
+    f = rows_at(angles, pos)
     if tensor_format == "bshd":
         f = f.transpose(0, 1)
     return rotate(t, torch.cos(f).unsqueeze(-2), torch.sin(f).unsqueeze(-2), interleaved)  # broadcast over heads

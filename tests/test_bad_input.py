@@ -6,6 +6,7 @@ and tests/test_suite_catches_bugs.py runs the same rules on broken implementatio
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from typing import NamedTuple
@@ -222,3 +223,82 @@ def _rule_check(rule):
 
 # name -> (predicate, strategy, explicit examples)
 CHECKS = {f"bad_input: {r.name}": (_rule_check(r), r.specs, []) for r in RULES}
+
+
+# ---- one verdict on the kernel path and the CPU reference path (docs/contract.md sections 1 and 5) -------
+
+@contextlib.contextmanager
+def _path(reference_path: bool):
+    """Within it (reference_path), CPU tensors take the reference, as without Triton's interpreter."""
+    import rope.functional
+
+    if not reference_path or DEVICE != "cpu":
+        yield
+        return
+    with mock.patch.object(rope.functional, "INTERPRET", False):
+        yield
+
+
+@pytest.mark.ours_only
+@pytest.mark.parametrize("reference_path", [False, True], ids=["kernel", "reference"])
+@pytest.mark.parametrize("flag,value", [("fused", "no"), ("fused", 1), ("inplace", "no"), ("inplace", None),
+                                        ("inplace", 0)])
+def test_flags_are_bools(flag, value, reference_path):
+    """A flag is a bool, as `interleaved` is: "no" is not read as true (which rotated t in place, or ran the
+    kernel), on any path; t keeps its values."""
+    import rope
+
+    t = torch.randn(4, 2, 2, 8, device=DEVICE)
+    before = t.clone()
+    freqs = rope.RotaryPositionEmbedding(8, device=DEVICE)(4)
+    with _path(reference_path), pytest.raises(TypeError, match=rf"^{flag}: expected a bool"):
+        rope.apply_rotary_pos_emb(t, freqs, **{flag: value})
+    if flag == "inplace":
+        with _path(reference_path), pytest.raises(TypeError, match=rf"^{flag}: expected a bool"):
+            rope.apply_rotary_pos_emb_qk(t, t.clone(), freqs, **{flag: value})
+    assert torch.equal(t, before)
+
+
+@pytest.mark.ours_only
+@pytest.mark.parametrize("reference_path", [False, True], ids=["kernel", "reference"])
+def test_float64_with_fused_is_refused_on_every_path(reference_path):
+    """float64 `t` runs with fused=False only (the reference): fused=True refuses it on a CPU too, so code
+    whose CPU tests pass does not fail on the GPU."""
+    import rope
+
+    t = torch.randn(4, 2, 2, 8, device=DEVICE, dtype=torch.float64)
+    freqs = rope.RotaryPositionEmbedding(8, device=DEVICE)(4)
+    with _path(reference_path):
+        for call in (lambda: rope.apply_rotary_pos_emb(t, freqs), lambda: rope.apply_rotary_pos_emb_qk(t, t, freqs)):
+            with pytest.raises(TypeError, match=r"^[tq]: expected dtype float32, float16 or bfloat16 \(float64"):
+                call()
+        assert rope.apply_rotary_pos_emb(t, freqs, fused=False).dtype == torch.float64
+
+
+@pytest.mark.ours_only
+@pytest.mark.parametrize("tensor_format", ["sbhd", "thd"])
+@pytest.mark.parametrize("starts", [[5, 0], [-1, 0], [-3, 9]], ids=["past", "negative", "both"])
+def test_value_checks_off_give_nan_rows_on_every_path(tensor_format, starts):
+    """With set_value_checks(False), a token whose position lies outside freqs gets NaN in its rotated
+    channels and keeps its pass-through ones, on the kernel path and on the reference path alike (which
+    raised IndexError past the table, and read rows from its end for a negative start)."""
+    import rope
+
+    gen = torch.Generator().manual_seed(3)
+    freqs = (torch.rand(8, 1, 1, 6, generator=gen) * 6).to(DEVICE)
+    if tensor_format == "thd":
+        t = torch.randn(6, 2, 8, generator=gen).to(DEVICE)
+        kw = dict(tensor_format="thd", cu_seqlens=torch.tensor([0, 4, 6], dtype=torch.int32, device=DEVICE))
+    else:
+        t, kw = torch.randn(4, 2, 2, 8, generator=gen).to(DEVICE), {}
+    kw["start_positions"] = torch.tensor(starts, device=DEVICE)
+    rope.set_value_checks(False)
+    try:
+        outs = [rope.apply_rotary_pos_emb(t, freqs, **kw, fused=fused) for fused in (True, False)]
+        cache = rope.RoPECache.from_freqs(freqs)
+        outs += [rope.apply_rotary_pos_emb(t, cache, **kw, fused=fused) for fused in (True, False)]
+    finally:
+        rope.set_value_checks(True)
+    assert outs[0].isnan().any() and not outs[0][..., 6:].isnan().any()
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], equal_nan=True)
