@@ -22,6 +22,8 @@ class RotaryPositionEmbedding(torch.nn.Module):
             dim = int(dim * rotary_percent)
         if dim < 2 or dim % 2:
             raise ValueError(f"dim: the rotary width dim * rotary_percent must be even and >= 2, got {dim}")
+        if not isinstance(interleaved, bool):
+            raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
         self.dim = dim
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
@@ -30,6 +32,9 @@ class RotaryPositionEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", 1.0 / (rotary_base ** exponent), persistent=False)
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        # else torch.arange's own message, which names no argument (SymInt: a size traced by torch.compile)
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, torch.SymInt)) or max_seq_len < 0:
+            raise ValueError(f"max_seq_len: expected an int >= 0, got {max_seq_len!r}")
         with torch.autocast(device_type=self.inv_freq.device.type, enabled=False):
             seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
             pretrained, factor = self.pretrained_max_position_embeddings, self.seq_len_interpolation_factor

@@ -17,6 +17,8 @@ from ._validate import (
     Layout,
     _check_index_tensor,
     call_for,
+    check_bools,
+    check_float_tensor,
     check_inplace,
     check_positions,
     check_rotary_width,
@@ -30,14 +32,14 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     float32, float16 or bfloat16 whatever x's dtype (math in float32, one rounding). `max_seqlen` is
     not needed (positions are checked against seqlen_ro instead). The gradient flows to x."""
     fmt = "bshd" if cu_seqlens is None else "thd"
-    if not isinstance(x, torch.Tensor) or x.dim() != (4 if fmt == "bshd" else 3):
+    check_float_tensor("x", x)
+    if x.dim() != (4 if fmt == "bshd" else 3):
         raise ValueError(f"x: expected {'[b, s, h, d]' if fmt == 'bshd' else '[total, h, d] (with cu_seqlens)'}, "
-                         f"got {getattr(x, 'shape', type(x).__name__)}")
+                         f"got shape {tuple(x.shape)}")
     check_tables(cos, sin, x, "x")
     if cos.dim() != 2:
         raise ValueError(f"cos: expected shape [seqlen_ro, rotary_dim / 2], got {tuple(cos.shape)}")
-    if not isinstance(interleaved, bool) or not isinstance(inplace, bool):
-        raise TypeError("interleaved, inplace: expected bools")
+    check_bools(interleaved=interleaved, inplace=inplace)
     rows, d, rot = cos.shape[0], x.shape[-1], 2 * cos.shape[1]
     check_rotary_width(rot, d, "cos")
     start = None
@@ -57,7 +59,8 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     else:
         b, s, n_seqs = x.shape[0], x.shape[1], 0
         if start is None and s > rows:
-            raise ValueError(f"cos: too short: seqlen {s} (from seqlen_offsets) needs {s} rows, got {rows}")
+            raise ValueError(f"cos: too short: seqlen {s} from seqlen_offsets = {seqlen_offsets} needs "
+                             f"{seqlen_offsets + s} rows (seqlen_ro), got {seqlen_offsets + rows}")
     if start is not None:
         _check_index_tensor("seqlen_offsets", start, x, "x")
         if start.shape[0] != (n_seqs if fmt == "thd" else b):

@@ -49,12 +49,13 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
 
 def _bshd_views(q, k, unsqueeze_dim):
     """q and k as [b, s, h, d] views (the kernel's bshd roles), checked."""
-    if unsqueeze_dim not in _SHAPES:
+    if unsqueeze_dim.__class__ is not int or unsqueeze_dim not in _SHAPES:  # True and 1.0 equal 1, but are no dim
         raise ValueError(f"unsqueeze_dim: expected 1 (q, k as {_SHAPES[1]}) or 2 ({_SHAPES[2]}), got {unsqueeze_dim!r}")
     for name, x in (("q", q), ("k", k)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D tensor {_SHAPES[unsqueeze_dim]}, got "
-                             f"{getattr(x, 'shape', type(x).__name__)}")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor {_SHAPES[unsqueeze_dim]}, got shape {tuple(x.shape)}")
     qv, kv = (q.transpose(1, 2), k.transpose(1, 2)) if unsqueeze_dim == 1 else (q, k)
     check_pair(qv, kv, "bshd")
     if qv.shape[-1] % 2:

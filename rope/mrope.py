@@ -49,7 +49,8 @@ def _rotate(ts, names, freqs, positions, mrope_section, tensor_format, interleav
     cache = freqs if isinstance(freqs, RoPECache) else None
     table = freqs if cache is None else cache.as_freqs
     for name, x in zip(names, ts, strict=True):
-        check_t_and_freqs(x, table, tensor_format, interleaved, allow_float64=not kernel_runs(x), name=name)
+        # float64 is refused on every path, as by the kernel: the verdict does not depend on the device
+        check_t_and_freqs(x, table, tensor_format, interleaved, allow_float64=False, name=name)
     t = ts[0]
     rot_dim = table.shape[-1]
     streams = check_mrope_section(mrope_section, rot_dim // 2, mrope_interleaved)

@@ -19,6 +19,7 @@ from ._validate import (
     Layout,
     call_for,
     check_disjoint,
+    check_float_tensor,
     check_inplace,
     check_mrope_section,
     check_positions_in,
@@ -31,8 +32,7 @@ from ._validate import (
 
 def _heads(name, x, positions, head_size):
     """x as [num_tokens, heads, head_size] (a view); its leading dims are positions'."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    check_float_tensor(name, x)
     lead = positions.dim()
     rest = x.shape[lead:]
     if x.shape[:lead] != positions.shape or len(rest) not in (1, 2) or rest[-1] % head_size or \
@@ -48,8 +48,7 @@ def _heads(name, x, positions, head_size):
 
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     """vLLM's `rotary_embedding` op: rotates query and key (if not None) in place; returns None."""
-    if not isinstance(positions, torch.Tensor):
-        raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
+    _check_positions_rank(positions, "[num_tokens] or [b, s]")
     flat = positions.reshape(-1)
     q, k, cos, sin, rows = _checked(positions, query, key, head_size, cos_sin_cache, is_neox)
     check_token_positions(flat, positions.numel(), q, "query")
@@ -65,8 +64,7 @@ def mrotary_embedding(positions, query, key, head_size, cos_sin_cache, mrope_sec
     `mrope_section` (pairs per stream, summing to rotary_dim / 2), or, mrope_interleaved (Qwen3-VL), stream
     i % 3 while i < 3 * mrope_section[i % 3], else stream 0. Rotates query and key (if not None) in place
     and returns them."""
-    if not isinstance(positions, torch.Tensor):
-        raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
+    _check_positions_rank(positions, "[3, num_tokens] or [num_tokens]")
     tokens = positions[0] if positions.dim() == 2 else positions
     q, k, cos, sin, rows = _checked(tokens, query, key, head_size, cos_sin_cache, is_neox)
     streams = check_mrope_section(mrope_section, cos.shape[1], mrope_interleaved)
@@ -76,6 +74,14 @@ def mrotary_embedding(positions, query, key, head_size, cos_sin_cache, mrope_sec
         positions = positions.expand(3, q.shape[0])  # one stream for all three: stream stride 0
     _rotate(q, k, cos, sin, cos_sin_cache, positions, is_neox, streams)
     return query, key
+
+
+def _check_positions_rank(positions, shapes: str):
+    """positions holds one or two dims (`shapes`): a 0-d tensor holds no token dim to match query's."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
+    if not 1 <= positions.dim() <= 2:
+        raise ValueError(f"positions: expected shape {shapes}, got {tuple(positions.shape)}")
 
 
 def _checked(positions, query, key, head_size, cos_sin_cache, is_neox):
@@ -100,7 +106,7 @@ def _checked(positions, query, key, head_size, cos_sin_cache, is_neox):
     check_inplace("query", q)
     if k is not None:
         check_inplace("key", k)
-        check_disjoint(q, k)
+        check_disjoint(q, k, ("query", "key"))
     return q, k, cos, sin, rows
 
 
@@ -113,7 +119,8 @@ def _rotate(q, k, cos, sin, cos_sin_cache, positions, is_neox, streams):
         full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
         if streams[0]:
             stream = reference.section_of_pair(streams[1:], rot // 2, streams[0] == 2, q.device)
-            cos_t, sin_t = (reference.select_streams(tab[positions.long()], stream, interleaved) for tab in full)
+            cos_t, sin_t = (reference.select_streams(reference.rows_at(tab, positions.long()), stream, interleaved)
+                            for tab in full)
             for x in ts:
                 x.copy_(reference.rotate(x, cos_t.unsqueeze(-2), sin_t.unsqueeze(-2), interleaved))
         else:

@@ -121,7 +121,17 @@ CASES = [
      "positions"),
     ("vllm mrope: query of other tokens", vllm_mrope_args, dict(query=_r(4, 64)), "query"),
     ("vllm mrope: is_neox not a bool", vllm_mrope_args, dict(is_neox=None), "is_neox"),
+    ("mrope: float64 t", mrope_args, dict(t=_r(6, 3, 16, dtype=torch.float64)), "t"),
+    ("mrope: interleaved not a bool", mrope_args, dict(interleaved=1), "interleaved"),
+    ("hf mrope: mrope_interleaved not a bool", hf_mrope_args, dict(mrope_interleaved="yes"), "mrope_interleaved"),
+    ("vllm mrope: 0-d positions", vllm_mrope_args, dict(positions=torch.tensor(1, device=DEVICE)), "positions"),
+    ("vllm mrope: float64 query", vllm_mrope_args, dict(query=_r(5, 64, dtype=torch.float64)), "query"),
+    ("vllm mrope: mrope_interleaved not a bool", vllm_mrope_args, dict(mrope_interleaved=0), "mrope_interleaved"),
     # transformers
+    ("hf: q not a tensor", hf_args, dict(q=None), "q"),
+    ("hf: k not a tensor", hf_args, dict(k=[[0.0]]), "k"),
+    ("hf: unsqueeze_dim True", hf_args, dict(unsqueeze_dim=True), "unsqueeze_dim"),
+    ("hf: unsqueeze_dim 1.0", hf_args, dict(unsqueeze_dim=1.0), "unsqueeze_dim"),
     ("hf: cos of another length", hf_args, dict(cos=_r(2, 4, 8), sin=_r(2, 4, 8)), "cos"),
     ("hf: cos of another batch", hf_args, dict(cos=_r(3, 5, 8), sin=_r(3, 5, 8)), "cos"),
     ("hf: 2-D cos", hf_args, dict(cos=_r(5, 8), sin=_r(5, 8)), "cos"),
@@ -154,7 +164,22 @@ CASES = [
     ("flash: varlen sequence past the table", flash_thd_args, dict(cu_seqlens=torch.tensor([0, 6], device=DEVICE),
                                                                    cos=_r(5, 3), sin=_r(5, 3)), "cos"),
     ("flash: inplace on an expanded x", flash_args, dict(x=_r(1, 5, 3, 8).expand(2, 5, 3, 8), inplace=True), "x"),
+    ("flash: x not a tensor", flash_args, dict(x=None), "x"),
+    ("flash: int64 x", flash_args, dict(x=torch.ones(2, 5, 3, 8, dtype=torch.int64, device=DEVICE)), "x"),
+    ("flash: float64 x", flash_args, dict(x=_r(2, 5, 3, 8, dtype=torch.float64)), "x"),
+    ("flash: interleaved not a bool", flash_args, dict(interleaved=1), "interleaved"),
+    ("flash: inplace not a bool", flash_args, dict(inplace="no"), "inplace"),
+    ("flash: int offset leaving too few rows", flash_args, dict(cos=_r(10, 3), sin=_r(10, 3), seqlen_offsets=6),
+     "cos"),
     # vLLM
+    ("vllm: 0-d positions", vllm_args, dict(positions=torch.tensor(3, device=DEVICE), query=_r(1, 64),
+                                            key=_r(1, 32)), "positions"),
+    ("vllm: int64 query", vllm_args, dict(query=torch.ones(5, 64, dtype=torch.int64, device=DEVICE),
+                                          key=torch.ones(5, 32, dtype=torch.int64, device=DEVICE)), "query"),
+    ("vllm: float64 query", vllm_args, dict(query=_r(5, 64, dtype=torch.float64), key=_r(5, 32, dtype=torch.float64)),
+     "query"),
+    ("vllm: int64 key", vllm_args, dict(key=torch.ones(5, 32, dtype=torch.int64, device=DEVICE)), "key"),
+    ("vllm: query not a tensor", vllm_args, dict(query=None), "query"),
     ("vllm: position past the cache", vllm_args, dict(positions=torch.tensor([0, 3, 1, 10, 2], device=DEVICE)),
      "positions"),
     ("vllm: negative position", vllm_args, dict(positions=torch.tensor([0, -1, 1, 2, 2], device=DEVICE)),
@@ -215,3 +240,42 @@ def test_cache_rejects_bad_tables():
         cache.update_(_r(5, 1, 1, 8))
     with pytest.raises(ValueError, match="freqs: too short"):
         rope.apply_rotary_pos_emb(_r(7, 1, 2, 8), cache)
+
+
+@pytest.mark.parametrize("args,change,name", [
+    (hf_args, dict(q=None), "q"), (hf_args, dict(k=None), "k"), (flash_args, dict(x=None), "x"),
+    (vllm_args, dict(query=None), "query"), (vllm_args, dict(key="key"), "key"), (mrope_args, dict(t=None), "t"),
+], ids=["hf q", "hf k", "flash x", "vllm query", "vllm key", "mrope t"])
+def test_a_tensor_argument_that_is_no_tensor_is_a_type_error(args, change, name):
+    """docs/contract.md section 5: a tensor argument that is not a tensor raises TypeError, in every convention."""
+    fn, kw = args(**change)
+    with pytest.raises(TypeError, match=rf"^{name}: expected a torch.Tensor, got"):
+        fn(**kw)
+
+
+def test_flash_int_offset_message_reports_the_rows_needed():
+    """seqlen 8 from seqlen_offsets 9 needs rows 9..16 of cos: 17 rows, and cos has 16."""
+    fn, kw = flash_args(x=_r(2, 8, 3, 8), cos=_r(16, 3), sin=_r(16, 3), seqlen_offsets=9)
+    with pytest.raises(ValueError) as err:
+        fn(**kw)
+    assert str(err.value) == "cos: too short: seqlen 8 from seqlen_offsets = 9 needs 17 rows (seqlen_ro), got 16"
+
+
+def test_vllm_messages_name_query_and_key():
+    """vLLM's arguments are `query` and `key`: query and key sharing memory is blamed on `key`, not `k`."""
+    fn, kw = vllm_args()
+    kw["key"] = kw["query"][:, :32]
+    before = kw["query"].clone()
+    with pytest.raises(ValueError, match=r"^key: in-place rotation of query and key that share memory"):
+        fn(**kw)
+    assert torch.equal(kw["query"], before)
+
+
+def test_embedding_arguments():
+    with pytest.raises(ValueError, match=r"^max_seq_len: expected an int >= 0, got -1"):
+        rope.RotaryPositionEmbedding(64)(-1)
+    with pytest.raises(ValueError, match=r"^max_seq_len"):
+        rope.RotaryPositionEmbedding(64)(2.5)
+    with pytest.raises(TypeError, match=r"^interleaved: expected a bool"):
+        rope.RotaryPositionEmbedding(64, interleaved=1)
+    assert rope.RotaryPositionEmbedding(64)(0).shape == (0, 1, 1, 64)
