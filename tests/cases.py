@@ -9,7 +9,7 @@ import torch
 import rope
 import rope._launch
 import rope._validate
-from rope import reference
+from tests.conformance import te_oracle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -77,7 +77,7 @@ def run_both(t, freqs, g, **kw):
     out = rope.apply_rotary_pos_emb(x, freqs, **kw)
     out.backward(g)
     x64 = t.detach().double().requires_grad_()
-    ref = reference.apply_rotary_pos_emb(x64, freqs, **kw)
+    ref = te_oracle.apply_rotary_pos_emb(x64, freqs, **kw)
     ref.backward(g.double())
     return out, x.grad, ref, x64.grad
 
@@ -143,8 +143,8 @@ def run_plain(impl, t, freqs, g=None, **kw):
 
 
 def reference64(t, freqs, g, **kw):
-    """(out, grad_t) of the float64 oracle: `rope.reference` on t.double() with the same angles."""
+    """(out, grad_t) of the float64 oracle (tests/conformance/te_oracle.py) on t.double() with the same angles."""
     x = t.detach().double().requires_grad_()
-    ref = reference.apply_rotary_pos_emb(x, freqs, **kw)
+    ref = te_oracle.apply_rotary_pos_emb(x, freqs, **kw)
     (grad,) = torch.autograd.grad(ref, x, g.detach().double())
     return ref.detach(), grad

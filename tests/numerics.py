@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from tests.conformance.pairing import partner_and_sign
+
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-52}
 F32_EVAL = 2.0**-20
 # Half the spacing of the subnormals of each dtype: the absolute rounding error in the underflow range.
@@ -29,10 +31,9 @@ ETA = {torch.float32: 2.0**-150, torch.float16: 2.0**-25, torch.bfloat16: 2.0**-
 
 def partner_scale(x: torch.Tensor, rot_dim: int, interleaved: bool) -> torch.Tensor:
     """|x_i| + |x_pi(i)| for the rotated channels, 0 for the pass-through ones (float64)."""
-    from rope.reference import partner_and_sign
-
     a = x.detach().double().abs()
-    partner, _ = partner_and_sign(rot_dim, interleaved, x.device)
+    partner, _ = partner_and_sign(rot_dim, interleaved)
+    partner = partner.to(x.device)
     scale = torch.zeros_like(a)
     scale[..., :rot_dim] = a[..., :rot_dim] + a[..., :rot_dim][..., partner]
     return scale
@@ -115,20 +116,18 @@ def assert_agree_within_rounding(a: torch.Tensor, b: torch.Tensor, x: torch.Tens
 
 def pair_norms(x: torch.Tensor, rot_dim: int, interleaved: bool) -> torch.Tensor:
     """||(x_i, x_pi(i))|| for the first element i of every pair, float64, [..., rot_dim / 2]."""
-    from rope.reference import partner_and_sign
-
     x = x.detach().double()[..., :rot_dim]
-    partner, sign = partner_and_sign(rot_dim, interleaved, x.device)
+    partner, sign = partner_and_sign(rot_dim, interleaved)
+    partner, sign = partner.to(x.device), sign.to(x.device)
     first = sign < 0
     return torch.sqrt(x[..., first] ** 2 + x[..., partner[first]] ** 2)
 
 
 def pair_scale(x: torch.Tensor, rot_dim: int, interleaved: bool) -> torch.Tensor:
     """s_p = |x_i| + |x_pi(i)| per pair, laid out as `pair_norms`."""
-    from rope.reference import partner_and_sign
-
     x = x.detach().double()[..., :rot_dim].abs()
-    partner, sign = partner_and_sign(rot_dim, interleaved, x.device)
+    partner, sign = partner_and_sign(rot_dim, interleaved)
+    partner, sign = partner.to(x.device), sign.to(x.device)
     first = sign < 0
     return x[..., first] + x[..., partner[first]]
 
