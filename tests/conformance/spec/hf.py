@@ -8,13 +8,15 @@ flows to q and k.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 from hypothesis import strategies as st
 
-from .. import pairing
-from ..contract import Returned
+from .. import accuracy, pairing
+from ..contract import Returned, bits
+from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, small
 
@@ -106,13 +108,147 @@ class HF(Convention):
         return (), (Returned("q"), Returned("k"))
 
     def define(self, case, x64):
+        return self.rotate_heads(case, x64, x64["cos"], x64["sin"])
+
+    def rotate_heads(self, case, x64, cos, sin):
+        """q and k rotated by per-channel tables [b or 1, s, r] (r, the rotary width, is the tables' width)."""
         p = case.plan
         out_dtype = torch.promote_types(p.dtype, p.table_dtype)
         if case.caps.get("in_place"):
             out_dtype = p.dtype  # written into q and k
-        cos, sin = (x64[n].unsqueeze(p.unsqueeze_dim) for n in ("cos", "sin"))
-        return {name: Expect(pairing.rotate(x64[name], cos, sin, False), x64[name], p.d, False, out_dtype)
+        cos, sin = cos.unsqueeze(p.unsqueeze_dim), sin.unsqueeze(p.unsqueeze_dim)
+        rot = cos.shape[-1]
+        return {name: Expect(pairing.rotate(x64[name], cos, sin, False), x64[name], rot, False, out_dtype)
                 for name in ("q", "k")}
 
+
+# ---------------------------------------------------------------------------------------------- invariants
+# Oracle-free properties of transformers' convention, each in its own terms. Every call goes through `call`, which
+# passes q and k as copies where the convention writes them, so that one case serves several calls.
+
+def call(fn, case, **overrides):
+    """fn on the case's arguments with `overrides` replacing some; (q, k) as returned."""
+    args = {**case.args, **overrides}
+    if case.caps.get("in_place"):
+        args = {n: v.clone() if n in ("q", "k") else v for n, v in args.items()}
+    return replace(case, args=args).call(fn)
+
+
+def same(what, got, want):
+    """Bitwise equal: the same expression on the same values, however the arguments lie in memory."""
+    assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got).__name__}"
+    assert tuple(got.shape) == tuple(want.shape) and got.dtype == want.dtype, \
+        f"{what}: {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
+    differ = bits(got) != bits(want)
+    if differ.any():
+        idx = tuple(int(i) for i in differ.nonzero()[0])
+        raise AssertionError(f"{what}: {int(differ.sum())} of {differ.numel()} elements differ bitwise; first at "
+                             f"{idx}: {got.contiguous()[idx].item()!r} vs {want.contiguous()[idx].item()!r}")
+
+
+def heads_dim(case) -> int:
+    return case.plan.unsqueeze_dim
+
+
+def unsqueeze_dim_transposed(conv, fn, caps, plan):
+    """unsqueeze_dim=1 on the [b, h, s, d] view of a [b, s, h, d] tensor equals unsqueeze_dim=2 on the tensor
+    itself, bitwise: the flag says where the heads are, not how to compute."""
+    if not {1, 2} <= set(caps["unsqueeze_dim"]) or not caps["strides"]:
+        return
+    case = make_case(conv, caps, plan._replace(unsqueeze_dim=2))
+    q, k = case.args["q"], case.args["k"]
+    want = call(fn, case)
+    got = call(fn, case, q=q.transpose(1, 2), k=k.transpose(1, 2), unsqueeze_dim=1)
+    for name, g, w in zip(("q", "k"), got, want, strict=True):
+        same(f"unsqueeze_dim: {name} with 1 on the transposed view, against 2", g.transpose(1, 2), w)
+
+
+def tables_batch_broadcast(conv, fn, caps, plan):
+    """cos/sin with batch 1 equal the same table given for every sequence: expanded to batch b (stride 0) and
+    repeated in memory, bitwise."""
+    case = make_case(conv, caps, plan._replace(cos_batch=1))
+    cos, sin = (case.args[n] if case.args[n].dim() == 3 else case.args[n].unsqueeze(0) for n in ("cos", "sin"))
+    cos, sin = cos[:1], sin[:1]
+    want = call(fn, case, cos=cos, sin=sin)
+    b = plan.b
+    variants = []
+    if caps["strides"]:
+        variants.append(("expanded", cos.expand(b, -1, -1), sin.expand(b, -1, -1)))
+    if caps["cos_batch"]:
+        variants.append(("repeated", cos.expand(b, -1, -1).contiguous(), sin.expand(b, -1, -1).contiguous()))
+    for what, c, s in variants:
+        got = call(fn, case, cos=c, sin=s)
+        for name, g, w in zip(("q", "k"), got, want, strict=True):
+            same(f"tables {what} to batch {b}: {name}, against batch 1", g, w)
+
+
+def other_head_count(plan, caps) -> int:
+    """A head count for a second k: another one where GQA is drawn and q has heads enough."""
+    others = [h for h in range(1, plan.hq + 1) if h != plan.hk] if caps["gqa"] else []
+    return others[plan.seed % len(others)] if others else plan.hk
+
+
+def q_k_independent(conv, fn, caps, plan):
+    """q's result does not depend on k (another k, with another head count where GQA is drawn, leaves it bitwise
+    unchanged), and k's result is what the same tensor gives in q's place."""
+    case = make_case(conv, caps, plan)
+    q1, _ = call(fn, case)
+    k = case.args["k"]
+    shape = list(k.shape)
+    shape[heads_dim(case)] = other_head_count(plan, caps)
+    gen = torch.Generator().manual_seed(plan.seed + 2)
+    k2 = torch.randn(shape, generator=gen, dtype=torch.float64).to(k.dtype).to(k.device)
+    q2, k2_out = call(fn, case, k=k2)
+    same("q after k was changed", q2, q1)
+    as_q, _ = call(fn, case, q=k2, k=k2)
+    same(f"k with {shape[heads_dim(case)]} heads, against the same tensor in q's place", k2_out, as_q)
+
+
+def swap_q_k(conv, fn, caps, plan):
+    """fn(k, q) returns fn(q, k)'s results swapped, bitwise (equal head counts: some kernels need hq >= hk)."""
+    case = make_case(conv, caps, plan._replace(hk=plan.hq))
+    q1, k1 = call(fn, case)
+    q2, k2 = call(fn, case, q=case.args["k"], k=case.args["q"])
+    same("q's result with q and k swapped, against k's", q2, k1)
+    same("k's result with q and k swapped, against q's", k2, q1)
+
+
+def inverse(conv, fn, caps, plan):
+    """(cos, -sin) on the result gives back the input, within two roundings.
+
+    The tables are the exact cos/sin rounded to their dtype T: c~ = c(1 + d1), s~ = s(1 + d2), |d| <= EPS[T]/2, so
+    c~^2 + s~^2 = 1 + 2 c^2 d1 + 2 s^2 d2 + O(EPS^2) differs from 1 by up to EPS[T] (2 EPS[T] allowed). The second
+    call applies the transpose of the first rotation matrix, R^T R = (c~^2 + s~^2) I, on a pair of scale
+    s = |x_i| + |x_p|. Each call errs by at most B(s) = accuracy.bound(s, s, D, model) per element (|ref| <= s);
+    the second call carries the first call's error of both pair members (2 B) and adds its own on a pair of scale
+    up to 2 s (2 B): 4 B(s) in all. Equal pair halves only: with elementwise tables the call is no rotation."""
+    case = make_case(conv, caps, plan._replace(equal_halves=True))
+    once = call(fn, case)
+    twice = call(fn, case, q=once[0], k=once[1], sin=-case.args["sin"])
+    rot = case.args["cos"].shape[-1]
+    model = caps.get("accuracy", "float32")
+    table_eps = accuracy.EPS[case.args["cos"].dtype]
+    for name, back in zip(("q", "k"), twice, strict=True):
+        x = case.args[name].detach().double().cpu()
+        got = back.detach().double().cpu()
+        scale = pairing.pair_scale(x, rot, False)
+        tol = 2 * table_eps * scale + 4 * accuracy.bound(scale, scale, back.dtype, model)
+        tol[..., rot:] = 0  # past the rotary width: copied twice, bitwise
+        bad = ~((got - x).abs() <= tol)  # NaN fails
+        if bad.any():
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            raise AssertionError(f"inverse: {name} after (cos, sin) then (cos, -sin): {int(bad.sum())} of {bad.numel()}"
+                                 f" elements off by more than two roundings; first at {idx}: got {got[idx].item()!r},"
+                                 f" input {x[idx].item()!r}, bound {tol[idx].item():.3g}")
+
+
+INVARIANTS = {
+    "unsqueeze_transposed": unsqueeze_dim_transposed,
+    "tables_batch_broadcast": tables_batch_broadcast,
+    "q_k_independent": q_k_independent,
+    "swap_q_k": swap_q_k,
+    "inverse": inverse,
+}
+HF.INVARIANTS = INVARIANTS
 
 CONVENTION = HF()

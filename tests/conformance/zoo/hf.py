@@ -100,10 +100,38 @@ def backward_not_transposed(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return _SignFlippedBackward.apply(q, cos, sin), _SignFlippedBackward.apply(k, cos, sin)
 
 
+def transposed_layout_rounds_otherwise(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """The [b, s, h, d] path (unsqueeze_dim=2) evaluates in float64: within the accuracy model, but not the
+    unsqueeze_dim=1 path's bits for the same values (two kernels that disagree on the last bit)."""
+    if unsqueeze_dim == 1:
+        return correct(q, k, cos, sin, position_ids, unsqueeze_dim)
+    out = torch.promote_types(q.dtype, cos.dtype)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return _embed(q, cos, sin, out, torch.float64), _embed(k, cos, sin, out, torch.float64)
+
+
+def batched_tables_round_otherwise(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """One table per sequence (cos batch > 1) takes another code path, evaluated in float64: a batch-1 table
+    expanded over the batch no longer gives the batch-1 call's bits."""
+    if cos.shape[0] == 1:
+        return correct(q, k, cos, sin, position_ids, unsqueeze_dim)
+    out = torch.promote_types(q.dtype, cos.dtype)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return _embed(q, cos, sin, out, torch.float64), _embed(k, cos, sin, out, torch.float64)
+
+
+def k_rounds_otherwise(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """k's path evaluates in float64, q's in float32: each within the accuracy model, but equal inputs no longer
+    give equal results in q's and k's place."""
+    out = torch.promote_types(q.dtype, cos.dtype)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return _embed(q, cos, sin, out), _embed(k, cos, sin, out, torch.float64)
+
+
 CORRECT = correct
 BUGS = {
-    "k_rotates_q": (k_rotates_q, ("forward", "backward")),
-    "unsqueeze_dim_ignored": (unsqueeze_dim_ignored, ("forward",)),
+    "k_rotates_q": (k_rotates_q, ("forward", "backward", "q_k_independent", "swap_q_k")),
+    "unsqueeze_dim_ignored": (unsqueeze_dim_ignored, ("forward", "unsqueeze_transposed")),
     "first_sequence_tables": (first_sequence_tables, ("forward",)),
     "math_in_input_dtype": (math_in_input_dtype, ("forward",)),
     "first_half_of_tables": (first_half_of_tables, ("forward",)),
@@ -111,4 +139,8 @@ BUGS = {
     "reads_as_contiguous": (reads_as_contiguous, ("forward",)),
     "returns_float32": (returns_float32, ("forward",)),
     "backward_not_transposed": (backward_not_transposed, ("backward",)),
+    # within the accuracy model: only the invariants see them
+    "transposed_layout_rounds_otherwise": (transposed_layout_rounds_otherwise, ("unsqueeze_transposed",)),
+    "batched_tables_round_otherwise": (batched_tables_round_otherwise, ("tables_batch_broadcast",)),
+    "k_rounds_otherwise": (k_rounds_otherwise, ("swap_q_k", "q_k_independent")),
 }
