@@ -1,0 +1,299 @@
+"""flash-attention's convention (flash_attn.layers.rotary):
+    apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                     max_seqlen=None) -> out
+x [b, s, h, d], or [total, h, d] with cu_seqlens [b + 1] int32 (sequence i is tokens cu_seqlens[i] ..
+cu_seqlens[i + 1]) and max_seqlen (at least the longest sequence). cos, sin [seqlen_ro, rotary_dim / 2]: one angle
+per pair, half-split pairs (i, i + rotary_dim / 2) or, interleaved, (2i, 2i + 1); rotary_dim <= d, channels past it
+copied. Token j of sequence i reads row j + seqlen_offsets (an int, or a [b] int32/int64 tensor: one per sequence);
+flash asserts seqlen_ro >= seqlen (max_seqlen for varlen) and, for an int, offset + seqlen <= seqlen_ro. The result
+has x's dtype: a new tensor, or x itself written in place with inplace=True. The gradient flows to x (its backward is
+the rotation by -theta).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from hypothesis import strategies as st
+
+from .. import accuracy, pairing
+from ..contract import Returned, bits
+from ..run import make_case
+from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
+from . import Case, Convention, Expect, small
+
+
+class Plan(NamedTuple):
+    seed: int
+    dtype: torch.dtype
+    table_dtype: torch.dtype
+    varlen: bool  # x [total, h, d] with cu_seqlens (else [b, s, h, d])
+    lengths: tuple  # each sequence's length (all equal without varlen)
+    h: int
+    d: int
+    rot: int  # rotary_dim = 2 * cos.shape[1]
+    interleaved: bool
+    inplace: bool
+    offsets: object  # None (the default, not passed), an int, or a tuple: one offset per sequence (a tensor)
+    offsets_dtype: torch.dtype
+    rows: int  # seqlen_ro
+    max_seqlen: object  # int with varlen, else None
+    x_layout: Layout
+    cos_layout: Layout
+    sin_layout: Layout
+    offsets_layout: Layout
+
+
+def limits():
+    if small():
+        return dict(n=3, s=5, h=3, dims=(2, 4, 6, 7, 8, 12, 16), off=3)
+    return dict(n=4, s=512, h=32, dims=(2, 6, 64, 80, 128, 256), off=64)  # flash: head dim <= 256
+
+
+def rows_needed(varlen: bool, lengths: tuple, max_seqlen, offsets) -> int:
+    """seqlen_ro that flash-attention asserts, and that every token's row fits in."""
+    span = max_seqlen if varlen else lengths[0]
+    if isinstance(offsets, tuple):
+        return max(span, *(o + n for o, n in zip(offsets, lengths, strict=True)))
+    return span + (offsets or 0)
+
+
+class Flash(Convention):
+    NAME = "flash"
+    SIGNATURE = ("x", "cos", "sin", "interleaved", "inplace", "seqlen_offsets", "cu_seqlens", "max_seqlen")
+    DIFFERENTIABLE = ("x",)
+    CAPS = {
+        "dtypes": (DTYPES, "dtypes of x"),
+        "float32_tables": (True, "cos/sin in float32 with 16-bit x (flash-attention asserts x's dtype)"),
+        "interleaved": ((False, True), "the pairings: half-split (False), interleaved (True)"),
+        "inplace": (True, "inplace=True: x written and returned"),
+        "tensor_offsets": (True, "seqlen_offsets as a [b] int32/int64 tensor, one offset per sequence"),
+        "varlen": (True, "x [total, h, d] with cu_seqlens and max_seqlen"),
+        "empty_sequences": (True, "varlen sequences of length 0 (equal consecutive cu_seqlens)"),
+        "partial": (True, "rotary_dim < d: the channels past it copied (and odd d)"),
+        "strides": (True, "views: x permuted and padded, cos/sin and seqlen_offsets sliced from wider buffers"),
+        "backward": (True, "the gradient of x"),
+        "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
+    }
+
+    def plans(self, caps):
+        lim = limits()
+
+        @st.composite
+        def draw(draw):
+            dtype = draw(st.sampled_from(caps["dtypes"]))
+            table_dtype = draw(st.sampled_from((dtype, torch.float32))) if caps["float32_tables"] else dtype
+            varlen = draw(st.booleans()) if caps["varlen"] else False
+            n = draw(st.integers(1, lim["n"]))
+            if varlen:
+                low = 0 if caps["empty_sequences"] else 1
+                lengths = tuple(draw(st.integers(low, lim["s"])) for _ in range(n))
+                if not sum(lengths):
+                    lengths = (1, *lengths[1:])
+                max_seqlen = max(lengths) + draw(st.sampled_from((0, 0, 1)))
+            else:
+                lengths, max_seqlen = (draw(st.integers(1, lim["s"])),) * n, None
+            dims = lim["dims"] if caps["partial"] else tuple(v for v in lim["dims"] if v % 2 == 0)
+            d = draw(st.sampled_from(dims))
+            rot = 2 * draw(st.integers(1, d // 2)) if caps["partial"] and draw(st.booleans()) else d - d % 2
+            kinds = ("default", "int") + (("tensor",) if caps["tensor_offsets"] else ())
+            kind = draw(st.sampled_from(kinds))
+            offsets = None if kind == "default" else draw(st.integers(0, lim["off"])) if kind == "int" else \
+                tuple(draw(st.integers(0, lim["off"])) for _ in range(n))
+            rows = rows_needed(varlen, lengths, max_seqlen, offsets) + draw(st.sampled_from((0, 0, 1, 3)))
+            strides = caps["strides"]
+            ndim = 3 if varlen else 4
+            return Plan(
+                draw(seeds()), dtype, table_dtype, varlen, lengths, draw(st.integers(1, lim["h"])), d, rot,
+                draw(st.sampled_from(caps["interleaved"])), draw(st.booleans()) if caps["inplace"] else False,
+                offsets, draw(st.sampled_from((torch.int32, torch.int64))), rows, max_seqlen,
+                draw(layouts(ndim)) if strides else contiguous(ndim),
+                draw(layouts(2)) if strides else contiguous(2), draw(layouts(2)) if strides else contiguous(2),
+                draw(layouts(1)) if strides else contiguous(1))
+
+        return draw()
+
+    def build(self, p: Plan, arena) -> Case:
+        shape = (sum(p.lengths), p.h, p.d) if p.varlen else (len(p.lengths), p.lengths[0], p.h, p.d)
+        x = arena.randn(shape, p.dtype, p.x_layout)
+        theta = arena.angles((p.rows, p.rot // 2))
+        cos = arena.place(torch.cos(theta).to(p.table_dtype), p.cos_layout)
+        sin = arena.place(torch.sin(theta).to(p.table_dtype), p.sin_layout)
+        args = dict(x=x, cos=cos, sin=sin, interleaved=p.interleaved, inplace=p.inplace)
+        if isinstance(p.offsets, tuple):
+            args["seqlen_offsets"] = arena.place(torch.tensor(p.offsets, dtype=p.offsets_dtype), p.offsets_layout)
+        elif p.offsets is not None:
+            args["seqlen_offsets"] = p.offsets
+        if p.varlen:
+            starts = torch.tensor((0, *p.lengths)).cumsum(0).to(torch.int32)
+            args["cu_seqlens"] = arena.place(starts)
+            args["max_seqlen"] = p.max_seqlen
+        return Case(p, args, 3, arena.buffers)
+
+    def effects(self, case):
+        if case.plan.inplace:
+            return ("x",), Returned("x", "x")
+        return (), Returned("x")
+
+    def define(self, case, x64):
+        p = case.plan
+        rows = table_rows(case, x64)
+        cos, sin = (pairing.per_channel(x64[n][rows], p.interleaved).unsqueeze(-2) for n in ("cos", "sin"))
+        return {"x": Expect(pairing.rotate(x64["x"], cos, sin, p.interleaved), x64["x"], p.rot, p.interleaved,
+                            p.dtype)}
+
+
+def table_rows(case, x64) -> torch.Tensor:
+    """The row of cos/sin each token reads (int64: [b, s], or [total] with varlen), from the arguments as given."""
+    p, args = case.plan, case.args
+    offsets = args.get("seqlen_offsets", 0)
+    offsets = x64["seqlen_offsets"] if isinstance(offsets, torch.Tensor) else torch.tensor(offsets)
+    if not p.varlen:
+        n, s = x64["x"].shape[:2]
+        return torch.arange(s).expand(n, s) + (offsets[:, None] if offsets.dim() else offsets)
+    cu = x64["cu_seqlens"]
+    seq = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
+    return torch.arange(len(seq)) - cu[seq] + (offsets[seq] if offsets.dim() else offsets)
+
+
+# ---- the convention's own invariants ---------------------------------------------------------------------
+
+
+def call(fn, caps, plan, **changes):
+    """(the case, the call's result) for `plan` with its arguments as built, `changes` overriding some."""
+    case = make_case(CONVENTION, caps, plan)
+    case.args.update(changes)
+    with torch.no_grad():
+        return case, case.call(fn)
+
+
+def result_of(case, result):
+    assert isinstance(result, torch.Tensor), f"expected a tensor, got {type(result).__name__}"
+    if case.plan.inplace:
+        assert result is case.args["x"], "inplace=True: expected x itself returned"
+    return result
+
+
+def assert_same(what, got, want):
+    """Bitwise equal (NaN payloads and signed zeros included)."""
+    got, want = got.detach().cpu(), want.detach().cpu()
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{what}: {tuple(got.shape)} {got.dtype} against {tuple(want.shape)} {want.dtype}"
+    bad = bits(got) != bits(want)
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements differ; first at {idx}: "
+                             f"{got[idx].item()!r} against {want[idx].item()!r}")
+
+
+def assert_close(what, got, want, rot, interleaved, caps, roundings=3.0):
+    """Two results of one definition, each within the accuracy model: within `roundings` of its bound of each
+    other; channels past the rotary width (copies) bitwise. The pair scale is taken from `want` (a rotation
+    keeps a pair's norm, so it is within sqrt(2) of the input's)."""
+    got, want = got.detach().cpu(), want.detach().cpu()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} against {tuple(want.shape)}"
+    scale = pairing.pair_scale(want, rot, interleaved)
+    tol = roundings * accuracy.bound(want.double(), scale, want.dtype, caps.get("accuracy", "float32"))
+    bad = ~((got.double() - want.double()).abs() <= tol)
+    bad[..., rot:] = bits(got[..., rot:]) != bits(want[..., rot:])
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements differ beyond {roundings} "
+                             f"roundings; first at {idx}: {got[idx].item()!r} against {want[idx].item()!r}")
+
+
+def inverse_tolerance(x, rot, interleaved, dtype, table_dtype, model):
+    """|R(-theta) round(R(theta) x) - x| per element, after two calls and with rounded tables: each call's
+    error (one rounding, or dtype math) rotated into both members of a pair, plus |cos^2 + sin^2 - 1| of the
+    rounded tables (up to EPS of their dtype) times the pair's scale s."""
+    s = pairing.pair_scale(x, rot, interleaved)
+    per_call = (accuracy.EPS[dtype] + accuracy.F32_EVAL) if model == "float32" else 2 * accuracy.EPS[dtype]
+    return 4 * per_call * s + 2 * accuracy.EPS[table_dtype] * s + 4 * accuracy.ETA[dtype]
+
+
+def inplace_equals_out_of_place(conv, fn, caps, plan):
+    """inplace=True writes into x exactly what inplace=False returns."""
+    if not caps["inplace"]:
+        return
+    case, new = call(fn, caps, plan._replace(inplace=False))
+    new = result_of(case, new)
+    case, written = call(fn, caps, plan._replace(inplace=True))
+    written = result_of(case, written)
+    assert_same("inplace=True against inplace=False", written, new)
+
+
+def int_offset_equals_tensor(conv, fn, caps, plan):
+    """An int seqlen_offsets k equals the tensor [k] * b (in either index dtype), and k = 0 the default."""
+    if not caps["tensor_offsets"]:
+        return
+    k = plan.offsets[0] if isinstance(plan.offsets, tuple) else plan.offsets or 0
+    n = len(plan.lengths)
+    as_int = plan._replace(offsets=k)
+    rows = max(plan.rows, rows_needed(plan.varlen, plan.lengths, plan.max_seqlen, k))
+    case, want = call(fn, caps, as_int._replace(rows=rows))
+    want = result_of(case, want)
+    case, got = call(fn, caps, as_int._replace(offsets=(k,) * n, rows=rows))
+    what = f"seqlen_offsets=tensor([{k}] * {n}, {str(plan.offsets_dtype).replace('torch.', '')}) against {k}"
+    assert_close(what, result_of(case, got), want, plan.rot, plan.interleaved, caps)
+    if k == 0:
+        case, default = call(fn, caps, as_int._replace(offsets=None, rows=rows))
+        assert_close("seqlen_offsets omitted against 0", result_of(case, default), want, plan.rot,
+                     plan.interleaved, caps)
+
+
+def offset_is_table_shift(conv, fn, caps, plan):
+    """An int seqlen_offsets k reads the rows of cos[k:], sin[k:] with offset 0 (token j reads row j + k)."""
+    k = plan.offsets[0] if isinstance(plan.offsets, tuple) else plan.offsets or 0
+    k = max(k, 1)
+    rows = max(plan.rows, rows_needed(plan.varlen, plan.lengths, plan.max_seqlen, k))
+    shifted = plan._replace(offsets=k, rows=rows)
+    case, want = call(fn, caps, shifted)
+    want = result_of(case, want)
+    cos, sin = case.args["cos"], case.args["sin"]
+    case, got = call(fn, caps, shifted, cos=cos[k:], sin=sin[k:], seqlen_offsets=0)
+    assert_close(f"seqlen_offsets={k} against cos[{k}:], sin[{k}:] with 0", result_of(case, got), want,
+                 plan.rot, plan.interleaved, caps)
+
+
+def varlen_one_sequence_equals_batch(conv, fn, caps, plan):
+    """x [s, h, d] with cu_seqlens [0, s] equals x [1, s, h, d] (the same tokens, the same offset)."""
+    if not caps["varlen"]:
+        return
+    s = max(plan.lengths[0], 1)
+    offsets = plan.offsets[:1] if isinstance(plan.offsets, tuple) else plan.offsets
+    one = plan._replace(lengths=(s,), offsets=offsets)
+    rows = max(plan.rows, rows_needed(True, (s,), s, offsets))
+    case, want = call(fn, caps, one._replace(varlen=False, max_seqlen=None, rows=rows, x_layout=contiguous(4)))
+    want = result_of(case, want)
+    case, got = call(fn, caps, one._replace(varlen=True, max_seqlen=s, rows=rows, x_layout=contiguous(3)))
+    assert_close("[s, h, d] with cu_seqlens [0, s] against [1, s, h, d]", result_of(case, got), want[0],
+                 plan.rot, plan.interleaved, caps)
+
+
+def inverse(conv, fn, caps, plan):
+    """The call with -sin undoes the call (R(-theta) R(theta) = I), within two roundings and the tables'."""
+    case = make_case(conv, caps, plan)
+    x0 = case.args["x"].clone()  # the input as it was (an in-place call writes it)
+    with torch.no_grad():
+        out = result_of(case, case.call(fn))
+        case.args.update(x=out, sin=-case.args["sin"])
+        back = result_of(case, case.call(fn))
+    tol = inverse_tolerance(x0, plan.rot, plan.interleaved, plan.dtype, plan.table_dtype,
+                            caps.get("accuracy", "float32"))
+    bad = ~((back.detach().cpu().double() - x0.cpu().double()).abs() <= tol)
+    bad[..., plan.rot:] = bits(back[..., plan.rot:].cpu()) != bits(x0[..., plan.rot:].cpu())
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"inverse: the call with -sin does not undo the call: {int(bad.sum())} of "
+                             f"{bad.numel()} elements; first at {idx}: {back[idx].item()!r}, x was "
+                             f"{x0[idx].item()!r} (tolerance {tol[idx].item():.3g})")
+
+
+Flash.INVARIANTS = {
+    "inplace_equals_out_of_place": inplace_equals_out_of_place,
+    "int_offset_equals_tensor": int_offset_equals_tensor,
+    "offset_is_table_shift": offset_is_table_shift,
+    "varlen_one_sequence_equals_batch": varlen_one_sequence_equals_batch,
+    "inverse": inverse,
+}
+CONVENTION = Flash()

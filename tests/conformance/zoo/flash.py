@@ -1,0 +1,182 @@
+"""flash-attention's convention (spec/flash.py): a correct implementation and planted bugs."""
+from __future__ import annotations
+
+import torch
+
+
+def token_rows(x, seqlen_offsets, cu_seqlens, restart=True, first_offset_only=False):
+    """The table row of every token: [b, s], or [total] with cu_seqlens (int64)."""
+    offsets = seqlen_offsets
+    if isinstance(offsets, torch.Tensor):
+        offsets = offsets.long().to(x.device)
+        if first_offset_only:
+            offsets = offsets[:1].expand_as(offsets)
+    if cu_seqlens is None:
+        n, s = x.shape[:2]
+        rows = torch.arange(s, device=x.device).expand(n, s)
+        return rows + (offsets[:, None] if isinstance(offsets, torch.Tensor) else offsets)
+    cu = cu_seqlens.long().to(x.device)
+    seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=x.device), cu[1:] - cu[:-1])
+    rows = torch.arange(len(seq), device=x.device) - (cu[seq] if restart else 0)
+    return rows + (offsets[seq] if isinstance(offsets, torch.Tensor) else offsets)
+
+
+def rotate_half(x, interleaved):
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def per_channel(half, interleaved):
+    return half.repeat_interleave(2, dim=-1) if interleaved else torch.cat([half, half], dim=-1)
+
+
+def rotated(x, cos, sin, rows, interleaved, math_dtype=torch.float32, sign=1.0):
+    """x's first rotary_dim channels rotated by the rows' angles (sign -1: by -theta), the rest copied; the math
+    in `math_dtype`, rounded once to x's dtype."""
+    rot = 2 * cos.shape[1]
+    c, s = (per_channel(t.to(math_dtype)[rows], interleaved).unsqueeze(-2) for t in (cos, sin))
+    xm = x.to(math_dtype)
+    head = xm[..., :rot]
+    out = head * c + sign * rotate_half(head, interleaved) * s
+    return torch.cat([out, xm[..., rot:]], dim=-1).to(x.dtype)
+
+
+def finish(x, out, inplace):
+    """The result as the convention returns it: x itself written with inplace=True, else the new tensor."""
+    return x.copy_(out) if inplace else out
+
+
+def correct(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None):
+    rows = token_rows(x, seqlen_offsets, cu_seqlens)
+    return finish(x, rotated(x, cos, sin, rows, interleaved), inplace)
+
+
+def inplace_returns_new(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                        max_seqlen=None):
+    """inplace=True ignored: a new tensor returned, x left as it was."""
+    return rotated(x, cos, sin, token_rows(x, seqlen_offsets, cu_seqlens), interleaved)
+
+
+def inplace_returns_copy(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                         max_seqlen=None):
+    """inplace=True writes x but returns a copy of it (the caller's alias to x is not what came back)."""
+    out = correct(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
+    return out.clone() if inplace else out
+
+
+def tensor_offsets_ignored(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                           max_seqlen=None):
+    """A tensor seqlen_offsets read as 0 (only the int path shifts the rows)."""
+    offsets = 0 if isinstance(seqlen_offsets, torch.Tensor) else seqlen_offsets
+    return correct(x, cos, sin, interleaved, inplace, offsets, cu_seqlens, max_seqlen)
+
+
+def first_offset_for_all(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                         max_seqlen=None):
+    """A tensor seqlen_offsets read without the sequence index: every sequence shifted by seqlen_offsets[0]."""
+    rows = token_rows(x, seqlen_offsets, cu_seqlens, first_offset_only=True)
+    return finish(x, rotated(x, cos, sin, rows, interleaved), inplace)
+
+
+def int_offset_twice(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                     max_seqlen=None):
+    """An int offset both slices the tables (cos[k:]) and shifts the rows: row j + 2k."""
+    if not isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets:
+        k = seqlen_offsets
+        rows = token_rows(x, seqlen_offsets, cu_seqlens)
+        rows = torch.minimum(rows, torch.tensor(cos.shape[0] - 1 - k))  # the kernel's clamp at the table's end
+        return finish(x, rotated(x, cos[k:], sin[k:], rows, interleaved), inplace)
+    return correct(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
+
+
+def varlen_positions_global(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                            max_seqlen=None):
+    """Varlen tokens read row t (their index in the packed batch), not their index in their own sequence."""
+    rows = token_rows(x, seqlen_offsets, cu_seqlens, restart=False)
+    rows = rows.clamp(max=cos.shape[0] - 1)
+    return finish(x, rotated(x, cos, sin, rows, interleaved), inplace)
+
+
+def partial_pairs_at_half_head(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                               max_seqlen=None):
+    """Half-split partial rotary pairs channel i with i + d/2 (the head's half) instead of i + rotary_dim/2."""
+    rot, d = 2 * cos.shape[1], x.shape[-1]
+    if interleaved or rot == d:
+        return correct(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
+    half, far = rot // 2, d // 2
+    rows = token_rows(x, seqlen_offsets, cu_seqlens)
+    c, s = (t.float()[rows].unsqueeze(-2) for t in (cos, sin))
+    xf = x.float()
+    x0, x1 = xf[..., :half], xf[..., far:far + half]
+    out = torch.cat([x0 * c - x1 * s, x0 * s + x1 * c, xf[..., rot:]], dim=-1).to(x.dtype)
+    return finish(x, out, inplace)
+
+
+def interleaved_sign_flipped(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                             max_seqlen=None):
+    """The interleaved path rotates by -theta (the partner's sign swapped)."""
+    rows = token_rows(x, seqlen_offsets, cu_seqlens)
+    return finish(x, rotated(x, cos, sin, rows, interleaved, sign=-1.0 if interleaved else 1.0), inplace)
+
+
+def tail_not_copied(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                    max_seqlen=None):
+    """Out of place, the channels past rotary_dim are left as the new tensor was allocated (zeros)."""
+    out = correct(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
+    if not inplace:
+        out = torch.cat([out[..., :2 * cos.shape[1]], torch.zeros_like(out[..., 2 * cos.shape[1]:])], dim=-1)
+    return out
+
+
+def math_in_x_dtype(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                    max_seqlen=None):
+    """The products and the sum in x's dtype (bf16/fp16 roundings at every step)."""
+    rows = token_rows(x, seqlen_offsets, cu_seqlens)
+    return finish(x, rotated(x, cos, sin, rows, interleaved, math_dtype=x.dtype), inplace)
+
+
+def tables_rounded_to_x_dtype(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                              max_seqlen=None):
+    """float32 tables cast to x's dtype before the math (flash's own assert, turned into a silent cast)."""
+    return correct(x, cos.to(x.dtype), sin.to(x.dtype), interleaved, inplace, seqlen_offsets, cu_seqlens,
+                   max_seqlen)
+
+
+class _NotConjugated(torch.autograd.Function):
+    """The backward rotates the upstream gradient by +theta (conjugate=False) instead of -theta."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, rows, interleaved):
+        ctx.save_for_backward(cos, sin, rows)
+        ctx.interleaved = interleaved
+        return rotated(x, cos, sin, rows, interleaved)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin, rows = ctx.saved_tensors
+        return rotated(g, cos, sin, rows, ctx.interleaved), None, None, None, None
+
+
+def backward_not_conjugated(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                            max_seqlen=None):
+    rows = token_rows(x, seqlen_offsets, cu_seqlens)
+    return finish(x, _NotConjugated.apply(x, cos, sin, rows, interleaved), inplace)
+
+
+CORRECT = correct
+BUGS = {
+    "inplace_returns_new": (inplace_returns_new, ("forward", "inplace_equals_out_of_place")),
+    "inplace_returns_copy": (inplace_returns_copy, ("forward", "inplace_equals_out_of_place")),
+    "tensor_offsets_ignored": (tensor_offsets_ignored, ("forward", "int_offset_equals_tensor")),
+    "first_offset_for_all": (first_offset_for_all, ("forward",)),
+    "int_offset_twice": (int_offset_twice, ("forward", "int_offset_equals_tensor", "offset_is_table_shift")),
+    "varlen_positions_global": (varlen_positions_global, ("forward",)),
+    "partial_pairs_at_half_head": (partial_pairs_at_half_head, ("forward",)),
+    "interleaved_sign_flipped": (interleaved_sign_flipped, ("forward",)),
+    "tail_not_copied": (tail_not_copied, ("forward", "inplace_equals_out_of_place")),
+    "math_in_x_dtype": (math_in_x_dtype, ("forward",)),
+    "tables_rounded_to_x_dtype": (tables_rounded_to_x_dtype, ("forward",)),
+    "backward_not_conjugated": (backward_not_conjugated, ("backward",)),
+}
