@@ -87,13 +87,14 @@ class HF(Convention):
 
         q = arena.randn(heads_shape(p.hq), p.dtype, p.q_layout)
         k = arena.randn(heads_shape(p.hk), p.dtype, p.k_layout)
-        theta = arena.angles((p.cos_batch, p.s, p.d // 2))
+        width = self.table_width(p)
+        theta = arena.angles((p.cos_batch, p.s, width // 2))
         theta = torch.cat([theta, theta if p.equal_halves else arena.angles(theta.shape)], dim=-1)
         tables = []
         for fn in (torch.cos, torch.sin):
             values = fn(theta).to(p.table_dtype)
             if p.cos_layout == "expanded":
-                tables.append(arena.place(values[:1]).expand(p.b, p.s, p.d))
+                tables.append(arena.place(values[:1]).expand(p.b, p.s, width))
             else:
                 tables.append(arena.place(values, p.cos_layout))
         args = dict(q=q, k=k, cos=tables[0], sin=tables[1])
@@ -101,6 +102,10 @@ class HF(Convention):
             args["position_ids"] = arena.place(torch.arange(p.s).expand(p.b, p.s).clone())
         args["unsqueeze_dim"] = p.unsqueeze_dim
         return Case(p, args, 4, arena.buffers)
+
+    def table_width(self, p) -> int:
+        """The width of cos/sin: the rotary width (transformers: the whole head)."""
+        return p.d
 
     def effects(self, case):
         if case.caps.get("in_place"):
