@@ -93,6 +93,9 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
         check_bools(inplace=inplace)
     check_pair(q, k, tensor_format)
     if _use_reference(True, q) or torch.compiler.is_compiling():
+        for name, x in (("q", q), ("k", k)):  # the kernel path's static checks, naming q and k, not t
+            check_static(x, freqs.as_freqs if isinstance(freqs, RoPECache) else freqs, tensor_format, start_positions,
+                         interleaved, cu_seqlens, cp_size, cp_rank, allow_float64=False, name=name)
         kw = dict(tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved,
                   cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank)
         outs = apply_rotary_pos_emb(q, freqs, **kw), apply_rotary_pos_emb(k, freqs, **kw)
