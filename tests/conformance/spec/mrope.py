@@ -1,0 +1,202 @@
+"""rope's canonical multimodal RoPE call (TransformerEngine's style, three position streams):
+    apply_multimodal_rotary_pos_emb(t, freqs, positions, mrope_section, tensor_format="thd", interleaved=False,
+                                    mrope_interleaved=False) -> out
+t [T, h, d] (thd), [s, b, h, d] (sbhd) or [b, s, h, d] (bshd); freqs [s2, 1, 1, d2] float32 angles, one per
+channel, d2 <= d even; positions [3, *lead] int32/int64 (temporal, height, width; lead: t's token dims) or one
+stream for all three [*lead], each in [0, s2). Channel c of pair k (k = c // 2 with interleaved GPT-J pairs,
+else c mod d2/2) turns by freqs[positions[m, token], c], m the stream of pair k: its section of mrope_section
+(pairs per stream, summing to d2/2), or Qwen3-VL's layout with mrope_interleaved (spec/hf_mrope.py). cos and sin
+are of the float32 angles (the oracle takes them in float64); channels d2.. are copied. A new tensor of t's shape
+and dtype; the gradient flows to t.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from hypothesis import strategies as st
+
+from .. import pairing
+from ..contract import Returned
+from ..run import inputs64, make_case
+from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
+from . import Case, Convention, Expect, small
+from .hf_mrope import assert_same, assert_within, other_sections, sections, select, stream_of_channel
+
+FORMATS = ("thd", "sbhd", "bshd")
+
+
+class Plan(NamedTuple):
+    seed: int
+    dtype: torch.dtype
+    tensor_format: str
+    lead: tuple  # t's token dims: (T,), (s, b) or (b, s)
+    h: int
+    d: int
+    d2: int
+    rows: int  # s2, freqs' rows
+    interleaved: bool
+    mrope_interleaved: bool
+    section: tuple
+    text: bool  # positions [*lead]: one stream for all three
+    positions_dtype: torch.dtype
+    pair_angles: bool  # both channels of a pair share an angle (freqs built so), else one angle per channel
+    t_layout: Layout
+    freqs_layout: Layout
+    positions_layout: Layout
+
+
+class MRoPE(Convention):
+    NAME = "mrope"
+    SIGNATURE = ("t", "freqs", "positions", "mrope_section", "tensor_format", "interleaved", "mrope_interleaved")
+    DIFFERENTIABLE = ("t",)
+    CAPS = {
+        "dtypes": (DTYPES, "dtypes of t"),
+        "formats": (FORMATS, "tensor formats"),
+        "interleaved": ((False, True), "the pairings: False half-split (i, i + d2/2), True GPT-J (2i, 2i + 1)"),
+        "mrope_interleaved": ((False, True), "the section layouts: consecutive (Qwen2-VL), interleaved (Qwen3-VL)"),
+        "partial": (True, "a rotary width d2 below d"),
+        "text_positions": (True, "positions [*lead]: one stream for all three"),
+        "elementwise_freqs": (True, "freqs whose two channels of a pair differ (TE's formula reads one per channel)"),
+        "strides": (True, "views: permuted and sliced t, sliced freqs, permuted positions"),
+        "int32_positions": (True, "int32 positions as well as int64"),
+        "backward": (True, "the gradient for t"),
+        "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
+    }
+
+    def plans(self, caps):
+        lim = dict(t=6, s=3, b=2, h=3, rows=6, dims=(2, 4, 6, 8, 12, 16)) if small() else \
+            dict(t=4096, s=512, b=4, h=16, rows=8192, dims=(2, 6, 64, 80, 128, 256))
+
+        @st.composite
+        def draw(draw):
+            fmt = draw(st.sampled_from(caps["formats"]))
+            lead = (draw(st.integers(1, lim["t"])),) if fmt == "thd" else \
+                (draw(st.integers(1, lim["s"])), draw(st.integers(1, lim["b"])))
+            if fmt == "bshd":
+                lead = lead[::-1]
+            d = draw(st.sampled_from(lim["dims"]))
+            d2 = 2 * draw(st.integers(1, d // 2)) if caps["partial"] and draw(st.booleans()) else d
+            mrope_interleaved = draw(st.sampled_from(caps["mrope_interleaved"]))
+            strides = caps["strides"]
+            ndim = len(lead) + 2
+            return Plan(
+                draw(seeds()), draw(st.sampled_from(caps["dtypes"])), fmt, lead, draw(st.integers(1, lim["h"])), d, d2,
+                draw(st.integers(1, lim["rows"])), draw(st.sampled_from(caps["interleaved"])), mrope_interleaved,
+                draw(sections(d2 // 2, mrope_interleaved)), caps["text_positions"] and draw(st.integers(0, 3)) == 0,
+                draw(st.sampled_from((torch.int64, torch.int32))) if caps["int32_positions"] else torch.int64,
+                draw(st.booleans()) if caps["elementwise_freqs"] else True,
+                draw(layouts(ndim)) if strides else contiguous(ndim),
+                draw(layouts(4, padded_dims=(0, 3), permute=False)) if strides else contiguous(4),
+                draw(layouts(len(lead) + 1)) if strides else contiguous(len(lead) + 1))
+
+        return draw()
+
+    def build(self, p: Plan, arena) -> Case:
+        t = arena.randn((*p.lead, p.h, p.d), p.dtype, p.t_layout)
+        if p.pair_angles:
+            angles = pairing.per_channel(arena.angles((p.rows, p.d2 // 2)), p.interleaved)
+        else:
+            angles = arena.angles((p.rows, p.d2))
+        freqs = arena.place(angles.float().reshape(p.rows, 1, 1, p.d2), p.freqs_layout)
+        shape = p.lead if p.text else (3, *p.lead)
+        layout = Layout(tuple(range(len(p.lead))), p.positions_layout.pad[1:]) if p.text else p.positions_layout
+        positions = arena.place(arena.integers(0, p.rows, shape, p.positions_dtype), layout)
+        args = dict(t=t, freqs=freqs, positions=positions, mrope_section=list(p.section), tensor_format=p.tensor_format,
+                    interleaved=p.interleaved, mrope_interleaved=p.mrope_interleaved)
+        return Case(p, args, 4, arena.buffers)
+
+    def effects(self, case):
+        return (), Returned("t")
+
+    def define(self, case, x64):
+        p = case.plan
+        angles = x64["freqs"][:, 0, 0, :][x64["positions"].expand(3, *p.lead)]  # [3, *lead, d2]
+        channel_stream = stream_of_channel(p.section, p.d2, p.mrope_interleaved, p.interleaved)
+        cos, sin = (select(fn(angles), channel_stream).unsqueeze(-2) for fn in (torch.cos, torch.sin))
+        return {"t": Expect(pairing.rotate(x64["t"], cos, sin, p.interleaved), x64["t"], p.d2, p.interleaved,
+                            p.dtype)}
+
+
+# ---- invariants -------------------------------------------------------------------------------------------------
+
+
+def call(case, fn, **changes):
+    with torch.no_grad():
+        return Case(case.plan, {**case.args, **changes}, case.positional).call(fn)
+
+
+def equal_streams(conv, fn, caps, plan):
+    """Three equal streams: any section split gives the same result, bitwise, as one stream [*lead] does;
+    and it is plain RoPE (TE's formula) at those positions."""
+    case = make_case(conv, caps, plan)
+    p = case.plan
+    pos = case.args["positions"]
+    one = pos if p.text else pos[0]
+    equal = one.expand(3, *p.lead).contiguous()
+    got = call(case, fn, positions=equal)
+    other = list(other_sections(p.section, p.mrope_interleaved))
+    assert_same(f"equal streams, sections {list(p.section)} vs {other}", call(case, fn, positions=equal,
+                                                                                mrope_section=other), got)
+    if caps["text_positions"]:
+        assert_same("positions [*lead] vs [3, *lead] of equal rows", call(case, fn, positions=one.contiguous()), got)
+    x64 = inputs64(case)
+    angles = x64["freqs"][:, 0, 0, :][one.long().cpu()].unsqueeze(-2)
+    ref = pairing.rotate(x64["t"], angles.cos(), angles.sin(), p.interleaved)
+    assert_within("equal streams vs plain RoPE", got, ref, x64["t"], p.d2, p.interleaved, 1,
+                  caps.get("accuracy", "float32"))
+
+
+def formats_equivalent(conv, fn, caps, plan):
+    """The tensor formats are layouts of one computation: sbhd equals bshd on the transposed views (positions
+    transposed alike), and thd on the tokens flattened, bitwise."""
+    case = make_case(conv, caps, plan)
+    p = case.plan
+    t, pos = case.args["t"], case.args["positions"]
+    got = call(case, fn)
+    streams = 0 if p.text else 1
+    if p.tensor_format != "thd":
+        other = {"sbhd": "bshd", "bshd": "sbhd"}[p.tensor_format]
+        if other in caps["formats"]:
+            swapped = call(case, fn, t=t.transpose(0, 1), positions=pos.transpose(streams, streams + 1),
+                           tensor_format=other)
+            assert_same(f"{p.tensor_format} vs {other} on the transposed views", swapped.transpose(0, 1), got)
+    if "thd" in caps["formats"]:
+        flat = call(case, fn, t=t.reshape(-1, p.h, p.d), positions=pos.reshape(*pos.shape[:streams], -1),
+                    tensor_format="thd")
+        assert_same(f"{p.tensor_format} vs thd on the tokens flattened", flat.reshape(got.shape), got)
+
+
+def interleaved_equivalent(conv, fn, caps, plan):
+    """GPT-J pairs on channels rearranged (2i, 2i + 1) <- (i, i + d2/2), freqs' channels alike, equal the
+    half-split call rearranged alike, bitwise: the pairing flag moves channels, nothing else."""
+    if set(caps["interleaved"]) != {False, True}:
+        return
+    case = make_case(conv, caps, plan)
+    p = case.plan
+    dev = case.args["t"].device
+    half_split = torch.cat([torch.arange(0, p.d2, 2), torch.arange(1, p.d2, 2)])  # GPT-J channel of each
+    to_gptj = torch.argsort(half_split).to(dev)
+    rest = torch.arange(p.d2, p.d, device=dev)
+    t, freqs = case.args["t"], case.args["freqs"]
+    split = call(case, fn, interleaved=False)
+    gptj = call(case, fn, t=t[..., torch.cat([to_gptj, rest])], freqs=freqs[..., to_gptj], interleaved=True)
+    back = torch.cat([half_split.to(dev), rest])
+    assert_same("interleaved=True on rearranged channels vs half-split", gptj[..., back], split)
+
+
+def inverse(conv, fn, caps, plan):
+    """The call with the angles negated, on the call's result, gives t back within three roundings."""
+    case = make_case(conv, caps, plan)
+    p = case.plan
+    f = case.args["freqs"]  # a rotation (whose inverse negates the angle) where a pair's channels share it
+    f = pairing.per_channel(f[..., 0::2] if p.interleaved else f[..., :p.d2 // 2], p.interleaved).contiguous()
+    there = call(case, fn, freqs=f)
+    back = call(case, fn, t=there, freqs=-f)
+    x64 = inputs64(case)
+    assert_within("inverse", back, x64["t"], x64["t"], p.d2, p.interleaved, 3, "dtype")
+
+
+MRoPE.INVARIANTS = {"equal_streams": equal_streams, "formats": formats_equivalent,
+                    "interleaved": interleaved_equivalent, "inverse": inverse}
+CONVENTION = MRoPE()
