@@ -1,0 +1,295 @@
+"""vLLM's convention (its custom op `vllm._custom_ops.rotary_embedding`):
+    rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox) -> None
+positions [T] or [b, s], int64 (or int32); query [*positions.shape, hq * head_size] or [*positions.shape, hq,
+head_size], key likewise with its own form, strides and head count (GQA: hk divides hq), or None. The tokens of a
+[b, s] call are the flattened b * s (vLLM steps through them with one token stride). query and key may be head
+slices of one packed qkv buffer. cos_sin_cache [max_position, rot]: row p = cos of the rot / 2 angles of position
+p, then their sin (one angle per pair). is_neox: half-split pairs (i, i + rot / 2), else interleaved (2i, 2i + 1);
+channels rot.. head_size untouched. query and key are rotated IN PLACE (in their dtype); nothing is returned.
+Forward only: vLLM serves inference, its op has no autograd.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from hypothesis import strategies as st
+
+from .. import accuracy, pairing
+from ..contract import bits
+from ..run import make_case
+from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
+from . import Case, Convention, Expect, small
+
+
+class Plan(NamedTuple):
+    seed: int
+    dtype: torch.dtype
+    cache_dtype: torch.dtype
+    lead: tuple  # positions' shape: (T,) or (b, s)
+    positions_dtype: torch.dtype
+    hq: int
+    hk: int  # 0: key is None
+    d: int  # head_size
+    rot: int
+    rows: int  # max_position
+    is_neox: bool
+    q_heads_dim: bool  # query as [..., h, d], else [..., h * d]
+    k_heads_dim: bool
+    packed: bool  # query and key: head slices of one qkv buffer [..., hq + 2 hk, d] (then in one form)
+    q_layout: Layout  # query's buffer (the qkv buffer when packed)
+    k_layout: Layout
+    cache_layout: Layout
+    positions_layout: Layout
+
+    @property
+    def tokens(self) -> int:
+        return int(torch.tensor(self.lead).prod())
+
+
+def limits():
+    if small():
+        return dict(t=6, b=2, s=3, h=4, rows=8, dims=(2, 4, 6, 7, 8, 12, 16))
+    return dict(t=4096, b=4, s=1024, h=32, rows=8192, dims=(2, 6, 64, 80, 96, 128, 256))
+
+
+@st.composite
+def token_layouts(draw, lead_ndim: int, heads_dim: bool) -> Layout:
+    """A layout of [*lead, (h,) channels] whose tokens stay evenly strided (vLLM steps through the flattened
+    b * s tokens with one stride): b and s adjacent in memory, s not padded; the heads may lie outside the tokens
+    (a head-major buffer); the channels padded (a head slice of a wider row) or, per head, strided."""
+    ndim = lead_ndim + heads_dim + 1
+    if draw(st.booleans()):
+        return contiguous(ndim)
+    groups = [tuple(range(lead_ndim))] + ([(lead_ndim,)] if heads_dim else [])
+    order = sum(draw(st.permutations(groups)), ()) + (ndim - 1,)
+    pad = tuple(0 if lead_ndim == 2 and i == 1 else draw(st.sampled_from((0, 0, 1, 3))) for i in range(ndim))
+    return Layout(order, pad)
+
+
+def positions_layouts(ndim: int):
+    """Padded, or for [b, s] also transposed (an [s, b] tensor's .t())."""
+    return st.one_of(layouts(ndim), st.just(Layout((1, 0), (0, 0)))) if ndim == 2 else layouts(ndim)
+
+
+def divisors(n: int) -> tuple:
+    return tuple(k for k in range(1, n + 1) if n % k == 0)
+
+
+class VLLM(Convention):
+    NAME = "vllm"
+    SIGNATURE = ("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox")
+    DIFFERENTIABLE = ()
+    CAPS = {
+        "dtypes": (DTYPES, "dtypes of query and key"),
+        "cache_dtypes": ("any", "cos_sin_cache's dtype: 'any' float dtype (float32 with 16-bit query), or "
+                                "'query' (query's only: vLLM casts its cache to query's dtype before the op)"),
+        "gqa": (True, "key with fewer heads than query (hk divides hq)"),
+        "key_none": (True, "key=None (query alone)"),
+        "partial": (True, "rot < head_size: the channels past it untouched (and odd head_size)"),
+        "is_neox": ((True, False), "the pairings: True half-split (i, i + rot/2), False interleaved (2i, 2i + 1)"),
+        "heads_dim": (True, "query and key as [..., h, head_size] as well as [..., h * head_size]"),
+        "batched_positions": (True, "positions [b, s] with query [b, s, ...], as well as [T]"),
+        "strides": (True, "query and key as views: head slices of a packed qkv, padded rows, head-major, strided "
+                          "heads, each with its own strides"),
+        "strided_cache": (True, "cos_sin_cache as a slice of a wider table (vLLM reads rows of rot contiguous)"),
+        "strided_positions": (True, "positions as a view (vLLM reads them contiguous)"),
+        "int32_positions": (True, "int32 positions as well as int64"),
+        "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math "
+                                "(vLLM's kernel multiplies in the query's dtype)"),
+    }
+
+    def plans(self, caps):
+        lim = limits()
+
+        @st.composite
+        def draw(draw):
+            dtype = draw(st.sampled_from(caps["dtypes"]))
+            cache_dtype = draw(st.sampled_from(DTYPES)) if caps["cache_dtypes"] == "any" else dtype
+            batched = caps["batched_positions"] and draw(st.booleans())
+            lead = (draw(st.integers(1, lim["b"])), draw(st.integers(1, lim["s"]))) if batched else \
+                (draw(st.integers(1, lim["t"])),)
+            hq = draw(st.integers(1, lim["h"]))
+            key_none = caps["key_none"] and draw(st.integers(0, 3)) == 0
+            hk = 0 if key_none else draw(st.sampled_from(divisors(hq))) if caps["gqa"] else hq
+            dims = lim["dims"] if caps["partial"] else tuple(v for v in lim["dims"] if v % 2 == 0)
+            d = draw(st.sampled_from(dims))
+            rot = 2 * draw(st.integers(1, d // 2)) if caps["partial"] and draw(st.booleans()) else d - d % 2
+            strides = caps["strides"]
+            packed = strides and draw(st.booleans())
+            q_heads_dim = caps["heads_dim"] and draw(st.booleans())
+            k_heads_dim = q_heads_dim if packed else caps["heads_dim"] and draw(st.booleans())
+            q_layout = draw(token_layouts(len(lead), q_heads_dim)) if strides else \
+                contiguous(len(lead) + q_heads_dim + 1)
+            k_layout = q_layout if packed else draw(token_layouts(len(lead), k_heads_dim)) if strides else \
+                contiguous(len(lead) + k_heads_dim + 1)
+            return Plan(
+                draw(seeds()), dtype, cache_dtype, lead,
+                draw(st.sampled_from((torch.int64, torch.int32))) if caps["int32_positions"] else torch.int64,
+                hq, hk, d, rot, draw(st.integers(1, lim["rows"])), draw(st.sampled_from(caps["is_neox"])),
+                q_heads_dim, k_heads_dim, packed, q_layout, k_layout,
+                draw(layouts(2)) if caps["strided_cache"] else contiguous(2),
+                draw(positions_layouts(len(lead))) if caps["strided_positions"] else contiguous(len(lead)))
+
+        return draw()
+
+    def build(self, p: Plan, arena) -> Case:
+        positions = arena.place(arena.integers(0, p.rows, p.lead, p.positions_dtype), p.positions_layout)
+        theta = arena.angles((p.rows, p.rot // 2))
+        cache = arena.place(torch.cat([theta.cos(), theta.sin()], dim=-1).to(p.cache_dtype), p.cache_layout)
+
+        def values(h):  # drawn as [*lead, h, d] whatever the form: the forms of one seed hold the same values
+            return torch.randn((*p.lead, h, p.d), generator=arena.gen, dtype=torch.float64).to(p.dtype)
+
+        def form(v, heads_dim):
+            return v if heads_dim else v.flatten(-2)
+
+        if p.packed:  # [..., hq | hk | hk (the value heads, never written), d]
+            qkv = arena.place(form(values(p.hq + 2 * p.hk), p.q_heads_dim), p.q_layout)
+            heads = qkv if p.q_heads_dim else qkv.unflatten(-1, (p.hq + 2 * p.hk, p.d))
+            query = form(heads[..., :p.hq, :], p.q_heads_dim)
+            key = form(heads[..., p.hq:p.hq + p.hk, :], p.k_heads_dim) if p.hk else None
+        else:
+            query = arena.place(form(values(p.hq), p.q_heads_dim), p.q_layout)
+            key = arena.place(form(values(p.hk), p.k_heads_dim), p.k_layout) if p.hk else None
+        args = dict(positions=positions, query=query, key=key, head_size=p.d, cos_sin_cache=cache,
+                    is_neox=p.is_neox)
+        return Case(p, args, 6, arena.buffers)
+
+    def effects(self, case):
+        return ("query", "key"), None
+
+    def read(self, case, name, t):
+        return t.reshape(case.plan.tokens, -1, case.plan.d)
+
+    def define(self, case, x64):
+        p = case.plan
+        half = p.rot // 2
+        rows = x64["cos_sin_cache"][x64["positions"].reshape(-1)]  # [T, rot]
+        cos, sin = (pairing.per_channel(t, not p.is_neox).unsqueeze(-2) for t in (rows[:, :half], rows[:, half:]))
+        out = {}
+        for name in ("query", "key"):
+            if case.args[name] is not None:
+                x = x64[name].reshape(p.tokens, -1, p.d)
+                out[name] = Expect(pairing.rotate(x, cos, sin, not p.is_neox), x, p.rot, not p.is_neox, p.dtype)
+        return out
+
+
+# ---- the convention's own invariants ---------------------------------------------------------------------
+
+
+def rotated(fn, caps, plan, change=None) -> dict:
+    """{name: query/key after the call, as [T, h, d] (copies)} for `plan`; `change(case)` edits the case first."""
+    case = make_case(CONVENTION, caps, plan)
+    if change is not None:
+        change(case)
+    with torch.no_grad():
+        result = case.call(fn)
+    assert result is None, f"expected None (query and key are written in place), got {type(result).__name__}"
+    return {n: CONVENTION.read(case, n, case.args[n]).clone() for n in ("query", "key") if case.args[n] is not None}
+
+
+def assert_same(what, got, want):
+    """Bitwise equal (NaN payloads and signed zeros included)."""
+    got, want = got.detach().cpu(), want.detach().cpu()
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{what}: {tuple(got.shape)} {got.dtype} against {tuple(want.shape)} {want.dtype}"
+    bad = bits(got) != bits(want)
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements differ; first at {idx}: "
+                             f"{got[idx].item()!r} against {want[idx].item()!r}")
+
+
+def plain(plan, **changes):
+    """The plan in separate, contiguous buffers (for calls whose forms or shapes differ)."""
+    plan = plan._replace(**changes)
+    return plan._replace(q_layout=contiguous(len(plan.lead) + plan.q_heads_dim + 1),
+                         k_layout=contiguous(len(plan.lead) + plan.k_heads_dim + 1),
+                         positions_layout=contiguous(len(plan.lead)))
+
+
+def flat_equals_heads(conv, fn, caps, plan):
+    """query/key as [..., h * d] and as [..., h, d] (the same memory, viewed two ways): the same result, bitwise."""
+    if not caps["heads_dim"]:
+        return
+    flat = rotated(fn, caps, plain(plan, q_heads_dim=False, k_heads_dim=False))
+    heads = rotated(fn, caps, plain(plan, q_heads_dim=True, k_heads_dim=True))
+    for n in flat:
+        assert_same(f"{n} as [..., h * d] against [..., h, d]", flat[n], heads[n])
+
+
+def batched_positions_equal_flat(conv, fn, caps, plan):
+    """positions [b, s] with query/key [b, s, ...] equal the flattened call, positions [b * s], bitwise."""
+    if not caps["batched_positions"]:
+        return
+    lead = plan.lead if len(plan.lead) == 2 else (1, plan.lead[0])
+    batched = rotated(fn, caps, plain(plan, lead=lead, packed=False))
+    flat = rotated(fn, caps, plain(plan, lead=(lead[0] * lead[1],), packed=False))
+    for n in flat:
+        assert_same(f"{n} with positions {list(lead)} against [{lead[0] * lead[1]}]", batched[n], flat[n])
+
+
+def key_none_leaves_query(conv, fn, caps, plan):
+    """key=None rotates query exactly as the call with a key does."""
+    if not caps["key_none"]:
+        return
+    with_key = plan._replace(packed=False, hk=plan.hk or plan.hq)
+    alone = rotated(fn, caps, with_key._replace(hk=0))
+    both = rotated(fn, caps, with_key)
+    assert_same("query with key=None against with a key", alone["query"], both["query"])
+
+
+def query_key_independent(conv, fn, caps, plan):
+    """Other key values leave query's result as it was, and other query values key's (bitwise)."""
+    if not plan.hk:
+        return
+    gen = torch.Generator().manual_seed(plan.seed + 7)
+
+    def redraw(name):
+        def change(case):
+            x = case.args[name]
+            x.copy_(torch.randn(tuple(x.shape), generator=gen, dtype=torch.float64).to(x.dtype))
+        return change
+
+    base = rotated(fn, caps, plan)
+    assert_same("query after other key values", rotated(fn, caps, plan, redraw("key"))["query"], base["query"])
+    assert_same("key after other query values", rotated(fn, caps, plan, redraw("query"))["key"], base["key"])
+
+
+def inverse(conv, fn, caps, plan):
+    """The call with the cache's sin half negated undoes the call (R(-theta) R(theta) = I), within two
+    roundings and the cache's (|cos^2 + sin^2 - 1| up to EPS of its dtype); untouched channels bitwise."""
+    case = make_case(conv, caps, plan)
+    names = [n for n in ("query", "key") if case.args[n] is not None]
+    before = {n: conv.read(case, n, case.args[n]).clone() for n in names}
+    cache = case.args["cos_sin_cache"]
+    half = plan.rot // 2
+    with torch.no_grad():
+        case.call(fn)
+        case.args["cos_sin_cache"] = torch.cat([cache[:, :half], -cache[:, half:]], dim=-1)
+        case.call(fn)
+    model = caps.get("accuracy", "float32")
+    per_call = (accuracy.EPS[plan.dtype] + accuracy.F32_EVAL) if model == "float32" else 2 * accuracy.EPS[plan.dtype]
+    for n in names:
+        x0 = before[n].cpu()
+        back = conv.read(case, n, case.args[n]).cpu()
+        s = pairing.pair_scale(x0, plan.rot, not plan.is_neox)
+        tol = 4 * per_call * s + 2 * accuracy.EPS[plan.cache_dtype] * s + 4 * accuracy.ETA[plan.dtype]
+        bad = ~((back.double() - x0.double()).abs() <= tol)
+        bad[..., plan.rot:] = bits(back[..., plan.rot:]) != bits(x0[..., plan.rot:])
+        if bad.any():
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            raise AssertionError(f"inverse: {n}: the call with -sin does not undo the call: {int(bad.sum())} of "
+                                 f"{bad.numel()} elements; first at {idx}: {back[idx].item()!r}, was "
+                                 f"{x0[idx].item()!r} (tolerance {tol[idx].item():.3g})")
+
+
+VLLM.INVARIANTS = {
+    "flat_equals_heads": flat_equals_heads,
+    "batched_positions_equal_flat": batched_positions_equal_flat,
+    "key_none_leaves_query": key_none_leaves_query,
+    "query_key_independent": query_key_independent,
+    "inverse": inverse,
+}
+CONVENTION = VLLM()

@@ -1,0 +1,162 @@
+"""vLLM's convention (spec/vllm.py): a correct implementation and planted bugs.
+
+Written as vLLM's kernel addresses memory: query and key through their storage, with a token stride (the
+flattened b * s tokens), a head stride and a channel stride, so that stride and bounds bugs are what they would
+be in a kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def storage_of(x):
+    """x's whole storage as a 1-D tensor of x's dtype (reads and writes go to x's memory)."""
+    return torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage())
+
+
+def strides_of(x, lead_ndim, head_size):
+    """(token, head, channel) strides as vLLM takes them: the token stride of the last positions dim, the head
+    stride of [..., h, d] or head_size (times the channel stride) for [..., h * d]."""
+    heads_dim = x.dim() == lead_ndim + 2
+    return x.stride(lead_ndim - 1), x.stride(-2) if heads_dim else head_size * x.stride(-1), x.stride(-1)
+
+
+def addressed(x, lead_ndim, head_size, strides=None, extra_heads=0):
+    """(x's storage, the storage index of every element of x as [T, h, d])."""
+    tokens = 1
+    for n in x.shape[:lead_ndim]:
+        tokens *= n
+    heads = x.numel() // max(tokens * head_size, 1) + extra_heads
+    tok, head, chan = strides or strides_of(x, lead_ndim, head_size)
+    dev = x.device
+    idx = (x.storage_offset() + torch.arange(tokens, device=dev)[:, None, None] * tok
+           + torch.arange(heads, device=dev)[None, :, None] * head + torch.arange(head_size, device=dev) * chan)
+    return storage_of(x), idx
+
+
+def rotate_half(x, interleaved):
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def per_channel(half, interleaved):
+    return half.repeat_interleave(2, dim=-1) if interleaved else torch.cat([half, half], dim=-1)
+
+
+def tables(pos, cache, table_interleaved, math_dtype=torch.float32):
+    """Per-channel cos and sin [T, 1, rot] at the positions (int64 [T])."""
+    half = cache.shape[1] // 2
+    rows = cache.to(math_dtype)[pos.long()]
+    return (per_channel(t, table_interleaved).unsqueeze(1) for t in (rows[:, :half], rows[:, half:]))
+
+
+def rotate_stored(store, idx, cos, sin, interleaved, math_dtype=torch.float32):
+    """Rotate the first rot channels at `idx` in place; indices past the storage are masked (not read, not
+    written), as a kernel's bounds mask does."""
+    idx = idx[..., :cos.shape[-1]]
+    inside = idx < store.numel()
+    vals = store[idx.clamp(max=store.numel() - 1)].to(math_dtype)
+    out = (vals * cos + rotate_half(vals, interleaved) * sin).to(store.dtype)
+    store[idx[inside]] = out[inside]
+
+
+def rotate_all(positions, query, key, head_size, cache, is_neox, pos=None, math_dtype=torch.float32,
+               table_interleaved=None, extra_heads=0, key_strides=None):
+    pos = positions.reshape(-1) if pos is None else pos
+    interleaved = not is_neox
+    cos, sin = tables(pos, cache, interleaved if table_interleaved is None else table_interleaved, math_dtype)
+    for x, strides in ((query, None), (key, key_strides)):
+        if x is not None:
+            store, idx = addressed(x, positions.dim(), head_size, strides, extra_heads)
+            rotate_stored(store, idx, cos, sin, interleaved, math_dtype)
+
+
+def correct(positions, query, key, head_size, cos_sin_cache, is_neox):
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
+def key_with_query_strides(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """key addressed with query's token, head and channel strides (one set of strides for both)."""
+    strides = strides_of(query, positions.dim(), head_size)
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox, key_strides=strides)
+
+
+def key_none_aliases_query(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """key=None handled by passing query's pointer as key's: query rotated twice."""
+    rotate_all(positions, query, query if key is None else key, head_size, cos_sin_cache, is_neox)
+
+
+def batched_positions_first_row(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """positions [b, s] indexed by the sequence index only: every batch row reads positions[0]."""
+    pos = positions[0].repeat(positions.shape[0]) if positions.dim() == 2 else positions
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox, pos=pos)
+
+
+def positions_as_contiguous(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """positions read as contiguous from their first element (strides ignored)."""
+    pos = storage_of(positions)[positions.storage_offset():positions.storage_offset() + positions.numel()]
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox, pos=pos)
+
+
+def int64_positions_read_as_int32(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """int64 positions read through an int32 pointer: token i reads the i-th 32-bit word (low, high, ...)."""
+    pos = positions.reshape(-1)
+    if pos.dtype == torch.int64:
+        pos = pos.contiguous().view(torch.int32)[:pos.numel()]
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox, pos=pos)
+
+
+def is_neox_inverted(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """is_neox=True taken as the interleaved pairing and False as half-split."""
+    rotate_all(positions, query, key, head_size, cos_sin_cache, not is_neox)
+
+
+def table_expanded_as_other_pairing(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """The cache's rot/2 angles spread over the channels as for the other pairing (angle i // 2 for half-split
+    pairs, i % (rot/2) for interleaved ones): channels of one pair read different angles."""
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox, table_interleaved=is_neox)
+
+
+def tail_zeroed(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """The channels from rot to head_size written as zeros (a kernel that stores the whole head from a
+    zero-initialised tile)."""
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox)
+    rot = cos_sin_cache.shape[1]
+    for x in (query, key):
+        if x is not None:
+            store, idx = addressed(x, positions.dim(), head_size)
+            store[idx[..., rot:]] = 0
+
+
+def cache_cast_to_query_dtype(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """The cache rounded to query's dtype before the math (a float32 cache loses its precision)."""
+    rotate_all(positions, query, key, head_size, cos_sin_cache.to(query.dtype), is_neox)
+
+
+def math_in_query_dtype(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """The products and the sum in query's dtype (16-bit roundings at every step)."""
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox, math_dtype=query.dtype)
+
+
+def one_head_too_many(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """The head loop runs to h inclusive: the memory after each token's last head (the next head of a packed
+    qkv, the next token, padding) is rotated too."""
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox, extra_heads=1)
+
+
+CORRECT = correct
+BUGS = {
+    "key_with_query_strides": (key_with_query_strides, ("forward",)),
+    "key_none_aliases_query": (key_none_aliases_query, ("forward", "key_none_leaves_query")),
+    "batched_positions_first_row": (batched_positions_first_row, ("forward", "batched_positions_equal_flat")),
+    "positions_as_contiguous": (positions_as_contiguous, ("forward",)),
+    "int64_positions_read_as_int32": (int64_positions_read_as_int32, ("forward",)),
+    "is_neox_inverted": (is_neox_inverted, ("forward",)),
+    "table_expanded_as_other_pairing": (table_expanded_as_other_pairing, ("forward",)),
+    "tail_zeroed": (tail_zeroed, ("forward",)),
+    "cache_cast_to_query_dtype": (cache_cast_to_query_dtype, ("forward",)),
+    "math_in_query_dtype": (math_in_query_dtype, ("forward",)),
+    "one_head_too_many": (one_head_too_many, ("forward",)),
+}
