@@ -1,0 +1,305 @@
+"""TransformerEngine's packed-QKV convention:
+    apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
+                                   start_positions=None, interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0)
+    -> (q, k, v)
+qkv [s, b, h, nq + nk + nv] (sbhd) or [b, s, h, nq + nk + nv] (bshd), (nq, nk, nv) = qkv_split_arg_list, nq a
+multiple of nk. Each head's last dimension holds q, k and v; q's part is nq / nk heads of width nk (head g of
+q's result is part g % (nq / nk) of qkv head g // (nq / nk)). q is rotated by q_freqs, k by k_freqs (angles
+[s2, 1, 1, d2], read as float32, d2 even and <= nk; channels d2.. copied), v is copied; the three are new
+contiguous tensors, and the gradient flows to qkv. Token j of sequence i is at position cp_position(j) +
+start_positions[i] (docs/contract.md section 3: with cp_size > 1 a rank holds chunks cp_rank and
+2 cp_size - 1 - cp_rank of every sequence, c = s / 2 tokens each). `cu_seqlens` is accepted and unused (thd is
+not a packed-QKV format).
+
+The gradient of qkv is assembled from three outputs' upstream gradients, so the generic backward (one output's
+pairs per argument) cannot scale it: `backward_qkv`, an invariant here, checks it against autograd of define()
+with `grad_scale`'s per-part accuracy scale; DIFFERENTIABLE stays empty so that the generic one does not run.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple, Optional
+
+import torch
+from hypothesis import strategies as st
+
+from .. import accuracy, pairing
+from ..contract import Returned, Snapshot, bits
+from ..run import inputs64, make_case, outputs
+from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
+from . import Case, Convention, Expect, small
+
+FORMATS = ("sbhd", "bshd")
+
+
+class Plan(NamedTuple):
+    seed: int
+    dtype: torch.dtype
+    freqs_dtype: torch.dtype
+    tensor_format: str
+    s: int  # tokens per sequence on this rank
+    b: int
+    h: int
+    groups: int  # nq / nk
+    nk: int
+    nv: int
+    d2: int
+    interleaved: bool
+    equal_halves: bool  # the two members of each pair share an angle (RotaryPositionEmbedding's freqs)
+    start_dtype: Optional[torch.dtype]  # start_positions' dtype; None: not passed
+    cp_size: int
+    cp_rank: int
+    q_rows: int  # q_freqs' rows past the last position
+    k_rows: int
+    qkv_layout: Layout
+    freqs_layout: Layout
+
+
+def token_positions(p: Plan, start) -> torch.Tensor:
+    """[b, s] int64: position j of the rank's part of a sequence, mapped by the dual-chunk layout, then shifted by
+    the sequence's start."""
+    j = torch.arange(p.s, dtype=torch.int64)
+    if p.cp_size > 1:
+        c = p.s // 2
+        j = torch.where(j < c, j + p.cp_rank * c, j - c + (2 * p.cp_size - 1 - p.cp_rank) * c)
+    pos = j[None, :].expand(p.b, p.s)
+    return pos if start is None else pos + start.long().cpu()[:, None]
+
+
+def split(p: Plan, qkv):
+    """q [.., h * groups, nk], k [.., h, nk], v [.., h, nv] out of qkv [.., h, nq + nk + nv] (views or copies)."""
+    nq = p.groups * p.nk
+    q, k, v = qkv[..., :nq], qkv[..., nq: nq + p.nk], qkv[..., nq + p.nk:]
+    return q.reshape(*qkv.shape[:2], p.h * p.groups, p.nk), k, v
+
+
+class TEQKV(Convention):
+    NAME = "te-qkv"
+    SIGNATURE = ("qkv", "q_freqs", "k_freqs", "qkv_split_arg_list", "tensor_format", "start_positions",
+                 "interleaved", "cu_seqlens", "cp_size", "cp_rank")
+    DIFFERENTIABLE = ()  # qkv's gradient is checked by the backward_qkv invariant (see the module docstring)
+    CAPS = {
+        "dtypes": (DTYPES, "dtypes of qkv"),
+        "freqs_dtypes": (DTYPES, "dtypes of q_freqs and k_freqs (read as float32)"),
+        "formats": (FORMATS, "tensor formats"),
+        "groups": (True, "nq a multiple of nk other than nk (q heads grouped per qkv head)"),
+        "partial": (True, "d2 < nk: channels d2.. copied"),
+        "interleaved": (True, "interleaved (GPT-J) pairs"),
+        "elementwise_freqs": (True, "angles that differ within a pair (freqs act channel by channel)"),
+        "start_positions": (True, "start_positions, int32 or int64 [b]"),
+        "context_parallel": (True, "cp_size > 1: the dual-chunk positions of cp_rank"),
+        "cp_start_positions": (True, "start_positions together with cp_size > 1 (TE's own function refuses it)"),
+        "strides": (True, "qkv and the freqs as views (permuted, padded); TE's function needs them contiguous"),
+        "backward": (True, "the gradient of qkv"),
+        "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
+    }
+    INVARIANTS: dict = {}  # filled below
+
+    def plans(self, caps):
+        lim = dict(s=5, b=2, h=3, nk=(2, 4, 6, 8), nv=8, groups=3, extra=2) if small() else \
+            dict(s=256, b=3, h=8, nk=(32, 64, 80, 128), nv=128, groups=8, extra=64)
+
+        @st.composite
+        def draw(draw):
+            cp_size = draw(st.sampled_from((1, 1, 2, 3))) if caps["context_parallel"] else 1
+            s = draw(st.integers(1, lim["s"]))
+            if cp_size > 1:
+                s = 2 * max(1, s // 2)  # two chunks of s / 2 tokens
+            nk = draw(st.sampled_from(lim["nk"]))
+            d2 = draw(st.sampled_from(range(2, nk + 1, 2))) if caps["partial"] and draw(st.booleans()) else nk
+            start = draw(st.sampled_from((None, torch.int32, torch.int64))) if caps["start_positions"] else None
+            if cp_size > 1 and not caps["cp_start_positions"]:
+                start = None
+            return Plan(
+                draw(seeds()), draw(st.sampled_from(caps["dtypes"])), draw(st.sampled_from(caps["freqs_dtypes"])),
+                draw(st.sampled_from(caps["formats"])), s, draw(st.integers(1, lim["b"])),
+                draw(st.integers(1, lim["h"])), draw(st.integers(1, lim["groups"])) if caps["groups"] else 1,
+                nk, draw(st.one_of(st.just(nk), st.integers(1, lim["nv"]))), d2,
+                draw(st.booleans()) if caps["interleaved"] else False,
+                draw(st.booleans()) if caps["elementwise_freqs"] else True,
+                start, cp_size, draw(st.integers(0, cp_size - 1)),
+                draw(st.integers(0, lim["extra"])), draw(st.integers(0, lim["extra"])),
+                draw(layouts(4)) if caps["strides"] else contiguous(4),
+                draw(layouts(4)) if caps["strides"] else contiguous(4))
+
+        return draw()
+
+    def freqs(self, p: Plan, arena, rows: int):
+        """Angles [rows, 1, 1, d2] in freqs_dtype: one per pair where the halves are equal, else one per channel."""
+        if p.equal_halves:
+            angles = pairing.per_channel(arena.angles((rows, p.d2 // 2)), p.interleaved)
+        else:
+            angles = arena.angles((rows, p.d2))
+        return arena.place(angles.to(p.freqs_dtype).reshape(rows, 1, 1, p.d2), p.freqs_layout)
+
+    def build(self, p: Plan, arena) -> Case:
+        width = p.groups * p.nk + p.nk + p.nv
+        shape = (p.s, p.b, p.h, width) if p.tensor_format == "sbhd" else (p.b, p.s, p.h, width)
+        qkv = arena.randn(shape, p.dtype, p.qkv_layout)
+        start = arena.integers(0, 4, (p.b,)) if p.start_dtype is not None else None
+        last = int(token_positions(p, start).max())  # freqs must reach every position
+        args = dict(qkv=qkv, q_freqs=self.freqs(p, arena, last + 1 + p.q_rows),
+                    k_freqs=self.freqs(p, arena, last + 1 + p.k_rows),
+                    qkv_split_arg_list=[p.groups * p.nk, p.nk, p.nv], tensor_format=p.tensor_format)
+        if start is not None:
+            args["start_positions"] = arena.place(start.to(p.start_dtype))
+        args["interleaved"] = p.interleaved
+        if p.cp_size > 1:
+            args["cp_size"], args["cp_rank"] = p.cp_size, p.cp_rank
+        return Case(p, args, 4, arena.buffers)
+
+    def effects(self, case):
+        return (), (Returned("q"), Returned("k"), Returned("v"))
+
+    def define(self, case, x64):
+        p = case.plan
+        q, k, v = split(p, x64["qkv"])
+        pos = token_positions(p, x64.get("start_positions"))
+        out = {}
+        for name, x in (("q", q), ("k", k)):
+            theta = x64[f"{name}_freqs"][:, 0, 0, :].float().double()[pos]  # read as float32; [b, s, d2]
+            if p.tensor_format == "sbhd":
+                theta = theta.transpose(0, 1)
+            theta = theta.unsqueeze(2)  # over the heads
+            out[name] = Expect(pairing.rotate(x, theta.cos(), theta.sin(), p.interleaved), x, p.d2, p.interleaved,
+                               p.dtype)
+        out["v"] = Expect(v, v, 0, p.interleaved, p.dtype)
+        return out
+
+    def grad_scale(self, case, up64: dict):
+        """The accuracy scale of qkv's gradient and where it is a copy of the upstream gradient: q's part from q's
+        upstream pairs (nq / nk heads of width nk per qkv head), k's from k's, v's a copy."""
+        p = case.plan
+        lead = up64["k"].shape[:3]
+        parts = [pairing.pair_scale(up64["q"], p.d2, p.interleaved).reshape(*lead, p.groups * p.nk),
+                 pairing.pair_scale(up64["k"], p.d2, p.interleaved), torch.zeros(*lead, p.nv, dtype=torch.float64)]
+        head = pairing.copied_mask(p.nk, p.d2)
+        copied = torch.cat([head.repeat(p.groups), head, torch.ones(p.nv, dtype=torch.bool)])
+        return torch.cat(parts, dim=-1), copied
+
+
+# ---------------------------------------------------------------------------------------------- invariants
+
+def call(fn, case, **overrides):
+    args = {**case.args, **overrides}
+    return replace(case, args={n: v for n, v in args.items() if v is not None}).call(fn)
+
+
+def same(what, got, want):
+    assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got).__name__}"
+    assert tuple(got.shape) == tuple(want.shape) and got.dtype == want.dtype, \
+        f"{what}: {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
+    differ = bits(got) != bits(want)
+    if differ.any():
+        idx = tuple(int(i) for i in differ.nonzero()[0])
+        raise AssertionError(f"{what}: {int(differ.sum())} of {differ.numel()} elements differ bitwise; first at "
+                             f"{idx}: {got.contiguous()[idx].item()!r} vs {want.contiguous()[idx].item()!r}")
+
+
+def seq_dim(fmt: str) -> int:
+    return 0 if fmt == "sbhd" else 1
+
+
+def v_copied(conv, fn, caps, plan):
+    """v is qkv's v part, bitwise; q, k and v are new contiguous tensors."""
+    case = make_case(conv, caps, plan)
+    q, k, v = call(fn, case)
+    same("v against qkv's v part", v, split(plan, case.args["qkv"])[2])
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert t.is_contiguous(), f"{name}: a new contiguous tensor was promised, got strides {t.stride()}"
+
+
+def q_k_agree(conv, fn, caps, plan):
+    """With nq == nk, equal q and k parts and k_freqs = q_freqs, q's and k's results are bitwise equal: the
+    two paths are one rotation."""
+    case = make_case(conv, caps, plan._replace(groups=1))
+    qkv = case.args["qkv"].clone()
+    qkv[..., plan.nk: 2 * plan.nk] = qkv[..., : plan.nk]
+    q, k, _ = call(fn, case, qkv=qkv, k_freqs=case.args["q_freqs"])
+    same("k's result against q's for equal parts and angles", k, q)
+
+
+def formats_transposed(conv, fn, caps, plan):
+    """bshd on the [b, s, ...] copy of an sbhd qkv gives the sbhd results transposed, bitwise."""
+    if set(caps["formats"]) != set(FORMATS):
+        return
+    case = make_case(conv, caps, plan._replace(tensor_format="sbhd"))
+    want = call(fn, case)
+    got = call(fn, case, qkv=case.args["qkv"].transpose(0, 1).contiguous(), tensor_format="bshd")
+    for name, g, w in zip("qkv", got, want, strict=True):
+        same(f"bshd {name} against sbhd's transposed", g, w.transpose(0, 1))
+
+
+def start_positions_shift(conv, fn, caps, plan):
+    """start_positions[i] = P gives sequence i the results of freqs shifted by P rows without start_positions,
+    bitwise, for q and k alike."""
+    if not caps["start_positions"]:
+        return
+    p = plan._replace(start_dtype=plan.start_dtype or torch.int64, cp_size=1, cp_rank=0)
+    case = make_case(conv, caps, p)
+    want = call(fn, case)
+    dim = seq_dim(p.tensor_format) ^ 1  # the batch dim
+    for i, start in enumerate(case.args["start_positions"].tolist()):
+        one = case.args["qkv"].narrow(dim, i, 1).contiguous()
+        got = call(fn, case, qkv=one, q_freqs=case.args["q_freqs"][start:], k_freqs=case.args["k_freqs"][start:],
+                   start_positions=None)
+        for name, g, w in zip("qkv", got, want, strict=True):
+            same(f"sequence {i}: {name} with freqs shifted by start_positions {start}", g, w.narrow(dim, i, 1))
+
+
+def cp_shards(conv, fn, caps, plan):
+    """A rank's call (cp_size, cp_rank) on its two chunks of each sequence equals the unsharded call on the whole
+    sequence at those tokens, bitwise."""
+    if not caps["context_parallel"]:
+        return
+    size = plan.cp_size if plan.cp_size > 1 else 2
+    rank, chunk = plan.seed % size, max(1, plan.s // 2)
+    start = plan.start_dtype if caps["cp_start_positions"] else None
+    full = make_case(conv, caps, plan._replace(s=2 * size * chunk, cp_size=1, cp_rank=0, start_dtype=start))
+    dim = seq_dim(plan.tensor_format)
+    tokens = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                        torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)])
+    tokens = tokens.to(full.args["qkv"].device)
+    want = call(fn, full)
+    local = full.args["qkv"].index_select(dim, tokens)
+    got = call(fn, full, qkv=local, cp_size=size, cp_rank=rank)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        same(f"rank {rank} of {size}: {name} against the unsharded call's tokens", g, w.index_select(dim, tokens))
+
+
+def backward_qkv(conv, fn, caps, plan):
+    """qkv's gradient (qkv a view in the graph, random upstream gradients on q, k and v) within the accuracy model
+    of autograd of define(), scaled per part by grad_scale; the upstream gradients left as they were."""
+    if not caps["backward"]:
+        return
+    case = make_case(conv, caps, plan)
+    x64 = inputs64(case, grad=("qkv",))
+    leaf = case.args["qkv"].detach().clone().requires_grad_()
+    case.args["qkv"].copy_(leaf)  # the argument stays a view in its layout, now of a tensor in the graph
+    got, _ = outputs(conv, case, case.call(fn))
+    expect = conv.define(case, x64)
+    gen = torch.Generator().manual_seed(plan.seed + 1)
+    ups = {n: torch.randn(tuple(got[n].shape), generator=gen, dtype=torch.float64).to(got[n].dtype)
+           .to(got[n].device) for n in expect}
+    for n in expect:
+        assert got[n].requires_grad, f"backward: {n} is not in qkv's graph (the gradient flows to qkv from q, k and v)"
+    snap = Snapshot(list(ups.values()))
+    torch.autograd.backward([got[n] for n in expect], [ups[n] for n in expect])
+    snap.check_unchanged()
+    up64 = {n: ups[n].detach().cpu().double() for n in expect}
+    ref, = torch.autograd.grad([expect[n].value for n in expect], [x64["qkv"]], [up64[n] for n in expect])
+    assert leaf.grad is not None, "backward: no gradient for qkv"
+    scale, copied = conv.grad_scale(case, up64)
+    accuracy.check("backward: grad of qkv", leaf.grad, ref, scale, plan.dtype, caps.get("accuracy", "float32"),
+                   copied)
+
+
+TEQKV.INVARIANTS = {
+    "v_copied": v_copied,
+    "q_k_agree": q_k_agree,
+    "formats_transposed": formats_transposed,
+    "start_positions_shift": start_positions_shift,
+    "cp_shards": cp_shards,
+    "backward_qkv": backward_qkv,
+}
+CONVENTION = TEQKV()
