@@ -289,7 +289,31 @@ def inverse(conv, fn, caps, plan):
                              f"{x0[idx].item()!r} (tolerance {tol[idx].item():.3g})")
 
 
+def pairing_orders(rot: int, d: int):
+    """(neox, to_interleaved): channel indices such that y[..., neox] puts the interleaved form's pairs (2i, 2i + 1)
+    at (i, i + rot/2), and x[..., to_interleaved] the other way; channels past rot stay."""
+    neox = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, d)])
+    return neox, torch.argsort(neox)
+
+
+def interleaved_moves_channels(conv, fn, caps, plan):
+    """interleaved=True on channels rearranged (i, i + rot/2) -> (2i, 2i + 1) equals interleaved=False, rearranged
+    back: the flag moves channels, nothing else (within two roundings: a kernel may contract either product)."""
+    if set(caps["interleaved"]) != {False, True}:
+        return
+    case, half_split = call(fn, caps, plan._replace(interleaved=False))
+    want = result_of(case, half_split)
+    neox, to_interleaved = pairing_orders(plan.rot, plan.d)
+    x = make_case(conv, caps, plan).args["x"]
+    moved = x[..., to_interleaved.to(x.device)].contiguous()
+    case, got = call(fn, caps, plan._replace(interleaved=True), x=moved)
+    got = result_of(case, got)[..., neox.to(moved.device)]
+    assert_close("interleaved=True on rearranged channels against interleaved=False", got, want, plan.rot, False,
+                 caps)
+
+
 Flash.INVARIANTS = {
+    "interleaved_moves_channels": interleaved_moves_channels,
     "inplace_equals_out_of_place": inplace_equals_out_of_place,
     "int_offset_equals_tensor": int_offset_equals_tensor,
     "offset_is_table_shift": offset_is_table_shift,

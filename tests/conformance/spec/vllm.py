@@ -285,7 +285,38 @@ def inverse(conv, fn, caps, plan):
                                  f"{x0[idx].item()!r} (tolerance {tol[idx].item():.3g})")
 
 
+def is_neox_moves_channels(conv, fn, caps, plan):
+    """is_neox=False on channels rearranged (i, i + rot/2) -> (2i, 2i + 1) equals is_neox=True, rearranged back:
+    the flag moves channels, nothing else (within two roundings: a kernel may contract either product)."""
+    if set(caps["is_neox"]) != {True, False}:
+        return
+    neox = torch.cat([torch.arange(0, plan.rot, 2), torch.arange(1, plan.rot, 2), torch.arange(plan.rot, plan.d)])
+    to_interleaved = torch.argsort(neox)
+
+    def rearrange(case):
+        for n in ("query", "key"):
+            x = case.args[n]
+            if x is not None:
+                heads = CONVENTION.read(case, n, x)[..., to_interleaved.to(x.device)]
+                case.args[n] = heads.reshape(x.shape).contiguous()
+
+    want = rotated(fn, caps, plan._replace(is_neox=True))
+    got = rotated(fn, caps, plan._replace(is_neox=False), rearrange)
+    model = caps.get("accuracy", "float32")
+    for n in want:
+        g, w = got[n][..., neox.to(got[n].device)].cpu(), want[n].cpu()
+        tol = 3 * accuracy.bound(w.double(), pairing.pair_scale(w, plan.rot, False), w.dtype, model)
+        bad = ~((g.double() - w.double()).abs() <= tol)
+        bad[..., plan.rot:] = bits(g[..., plan.rot:]) != bits(w[..., plan.rot:])
+        if bad.any():
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            raise AssertionError(f"{n}: is_neox=False on rearranged channels against is_neox=True: {int(bad.sum())} "
+                                 f"of {bad.numel()} elements differ; first at {idx}: {g[idx].item()!r} against "
+                                 f"{w[idx].item()!r}")
+
+
 VLLM.INVARIANTS = {
+    "is_neox_moves_channels": is_neox_moves_channels,
     "flat_equals_heads": flat_equals_heads,
     "batched_positions_equal_flat": batched_positions_equal_flat,
     "key_none_leaves_query": key_none_leaves_query,
