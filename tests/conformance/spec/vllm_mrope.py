@@ -86,7 +86,7 @@ class VLLMMRoPE(Convention):
 
     def plans(self, caps):
         lim = dict(t=5, h=3, rows=6, dims=(2, 4, 6, 8, 12, 16)) if small() else \
-            dict(t=4096, h=32, rows=8192, dims=(2, 6, 64, 80, 128, 256))
+            dict(t=2048, h=16, rows=8192, dims=(2, 6, 64, 80, 128, 256))
 
         @st.composite
         def draw(draw):
