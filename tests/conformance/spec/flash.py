@@ -273,15 +273,16 @@ def varlen_one_sequence_equals_batch(conv, fn, caps, plan):
 def inverse(conv, fn, caps, plan):
     """The call with -sin undoes the call (R(-theta) R(theta) = I), within two roundings and the tables'."""
     case = make_case(conv, caps, plan)
-    x0 = case.args["x"].clone()  # the input as it was (an in-place call writes it)
+    x0 = case.args["x"].cpu().clone()  # the input as it was (an in-place call writes it)
     with torch.no_grad():
         out = result_of(case, case.call(fn))
         case.args.update(x=out, sin=-case.args["sin"])
         back = result_of(case, case.call(fn))
     tol = inverse_tolerance(x0, plan.rot, plan.interleaved, plan.dtype, plan.table_dtype,
                             caps.get("accuracy", "float32"))
-    bad = ~((back.detach().cpu().double() - x0.cpu().double()).abs() <= tol)
-    bad[..., plan.rot:] = bits(back[..., plan.rot:].cpu()) != bits(x0[..., plan.rot:].cpu())
+    back = back.detach().cpu()
+    bad = ~((back.double() - x0.double()).abs() <= tol)
+    bad[..., plan.rot:] = bits(back[..., plan.rot:]) != bits(x0[..., plan.rot:])
     if bad.any():
         idx = tuple(int(i) for i in bad.nonzero()[0])
         raise AssertionError(f"inverse: the call with -sin does not undo the call: {int(bad.sum())} of "
