@@ -17,9 +17,12 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 class Returned(NamedTuple):
     """One element of what a call returns: the output `name`; `arg` names the argument it must be (in place),
-    None for a new tensor."""
+    None for a new tensor. same=False: the result may be new or share the argument's memory, and the argument may
+    be written, with the result only (Liger's kernel writes q's memory where q is laid out as a projection gives
+    it, and returns a view of it; elsewhere it rotates a copy)."""
     name: str
     arg: Optional[str] = None
+    same: bool = True
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -77,8 +80,10 @@ def check_returned(result, promised, args: dict, buffers) -> dict:
     out = {}
     for r, g in zip(items, got, strict=True):
         assert isinstance(g, torch.Tensor), f"side effect: {r.name}: expected a tensor, got {type(g).__name__}"
-        if r.arg is not None:
+        if r.arg is not None and r.same:
             assert g is args[r.arg], f"side effect: {r.name}: expected the argument {r.arg} itself (in place)"
+        elif r.arg is not None:
+            pass  # new, or over the argument's memory: the argument then holds the result (run.outputs checks)
         else:
             shared = [i for i, b in enumerate(buffers) if b.numel() and g.numel() and same_storage(g, b)]
             assert not shared, f"side effect: {r.name}: a new tensor was promised, got one sharing memory with an " \

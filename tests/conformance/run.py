@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import accuracy, pairing
-from .contract import Snapshot, check_returned
+from .contract import Returned, Snapshot, bits, check_returned
 from .tensors import Arena
 
 
@@ -35,11 +35,18 @@ def inputs64(case, grad=()):
     return out
 
 
-def outputs(conv, case, result):
+def outputs(conv, case, result, x64=None):
     """{output name: tensor} from what the call returned and what it wrote, after the side-effect checks on
-    the returned objects."""
+    the returned objects. An argument that may be written (Returned(same=False)) and was holds the result, bitwise
+    (x64: the arguments as they were, to tell)."""
     writes, promise = conv.effects(case)
     got = check_returned(result, promise, case.args, case.buffers)
+    may = [r for r in ((promise,) if isinstance(promise, Returned) else promise or ()) if r.arg and not r.same]
+    for r in may if x64 is not None else ():
+        arg = case.args[r.arg]
+        if not torch.equal(arg.detach().cpu().double(), x64[r.arg].detach()):
+            assert torch.equal(bits(arg), bits(got[r.name])), \
+                f"side effect: {r.arg} was written, but not with the result {r.name} returned"
     for name in writes:
         if name not in got and case.args.get(name) is not None:
             got[name] = case.args[name]
@@ -62,7 +69,7 @@ def forward(conv, fn, caps, plan):
     snap = Snapshot(case.buffers)
     with torch.no_grad():
         result = case.call(fn)
-    got, written = outputs(conv, case, result)
+    got, written = outputs(conv, case, result, x64)
     snap.check_unchanged(written)
     compare(conv, case, conv.define(case, x64), got, "forward:")
 
@@ -82,6 +89,8 @@ def backward(conv, fn, caps, plan):
     ups = {n: torch.randn(tuple(got[n].shape), generator=gen, dtype=torch.float64).to(got[n].dtype)
            .to(got[n].device) for n in expect}
     snap = Snapshot(list(ups.values()))
+    for n in expect:
+        assert got[n].requires_grad, f"backward: output {n} is outside the autograd graph"
     torch.autograd.backward([got[n] for n in expect], [ups[n] for n in expect])
     snap.check_unchanged()
     up64 = {n: conv.read(case, n, ups[n]).detach().cpu().double() for n in expect}
@@ -90,8 +99,7 @@ def backward(conv, fn, caps, plan):
     for n, ref in zip(names, grads, strict=True):
         g = leaves[n].grad
         assert g is not None, f"backward: no gradient for {n}"
-        e = expect[conv.grad_of(case, n)]
         ref = torch.zeros_like(x64[n]) if ref is None else ref
-        scale = pairing.pair_scale(up64[conv.grad_of(case, n)], e.rot, e.interleaved).reshape(ref.shape)
-        accuracy.check(f"backward: grad of {n}", g, ref, scale, case.args[n].dtype,
-                       case.caps.get("accuracy", "float32"), pairing.copied_mask(ref.shape[-1], e.rot))
+        scale, copied = conv.grad_scale(case, n, up64, expect)
+        accuracy.check(f"backward: grad of {n}", g, ref, scale.reshape(ref.shape), case.args[n].dtype,
+                       case.caps.get("accuracy", "float32"), copied)

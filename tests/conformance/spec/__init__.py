@@ -86,6 +86,15 @@ class Convention:
         """The output whose upstream gradient arg's gradient rotates back (for the accuracy scale)."""
         return arg
 
+    def grad_scale(self, case: Case, arg: str, up64: dict, expect: dict):
+        """(the accuracy scale of arg's gradient, where it is a copy of an upstream gradient): by default the pairs
+        of the output `grad_of(arg)`, laid out as arg. A packed argument (qkv) overrides it, part by part."""
+        from .. import pairing
+
+        e = expect[self.grad_of(case, arg)]
+        scale = pairing.pair_scale(up64[self.grad_of(case, arg)], e.rot, e.interleaved)
+        return scale.reshape(up64[self.grad_of(case, arg)].shape), pairing.copied_mask(scale.shape[-1], e.rot)
+
 
 def profile() -> str:
     getter = getattr(settings, "get_current_profile_name", None)

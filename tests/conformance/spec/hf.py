@@ -54,7 +54,7 @@ class HF(Convention):
         "position_ids": (True, "accepts the unused position_ids argument"),
         "backward": (True, "gradients for q and k"),
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
-        "in_place": (False, "writes q and k and returns them (Liger's kernel), instead of new tensors"),
+        "in_place": (False, "may write q's and k's memory with the result and return views of it (Liger's kernel)"),
     }
 
     def plans(self, caps):
@@ -109,7 +109,7 @@ class HF(Convention):
 
     def effects(self, case):
         if case.caps.get("in_place"):
-            return ("q", "k"), (Returned("q", "q"), Returned("k", "k"))
+            return ("q", "k"), (Returned("q", "q", same=False), Returned("k", "k", same=False))
         return (), (Returned("q"), Returned("k"))
 
     def define(self, case, x64):

@@ -138,7 +138,7 @@ class HFMRoPE(Convention):
     SIGNATURE = ("q", "k", "cos", "sin", "mrope_section", "unsqueeze_dim")
     DIFFERENTIABLE = ("q", "k")
     CAPS = {**{k: v for k, v in HF.CAPS.items() if k != "position_ids"},
-            "in_place": (False, "writes q and k and returns them (Liger's kernel), instead of new tensors")}
+            "in_place": (False, "may write q's and k's memory with the result and return views of it (Liger's kernel)")}
 
     def plans(self, caps):
         lim = dict(b=2, h=3, s=4, dims=(2, 6, 8, 12, 16)) if small() else \
@@ -184,7 +184,7 @@ class HFMRoPE(Convention):
 
     def effects(self, case):
         if case.caps.get("in_place"):
-            return ("q", "k"), (Returned("q", "q"), Returned("k", "k"))
+            return ("q", "k"), (Returned("q", "q", same=False), Returned("k", "k", same=False))
         return (), (Returned("q"), Returned("k"))
 
     def out_dtype(self, case):

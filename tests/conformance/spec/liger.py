@@ -49,7 +49,7 @@ class Liger(HF):
         "strides": (True, "q and k as other views than a projection's [b, h, s, d] view of [b, s, h, d] memory, "
                           "and tables permuted, sliced or expanded"),
         "accuracy": ("dtype", "math in cos's dtype (q's dtype with 16-bit tables): accuracy.py's dtype model"),
-        "in_place": (True, "writes q and k and returns them (Liger's kernel)"),
+        "in_place": (True, "may write q's and k's memory with the result and return views of it (Liger's kernel)"),
         "rank2_tables": (True, "cos/sin as [s, r], one table for every sequence (Liger >= 0.8)"),
         "partial": (True, "cos/sin narrower than the head: rotary width = their width, the rest kept (Liger >= 0.8)"),
     }

@@ -11,9 +11,8 @@ start_positions[i] (docs/contract.md section 3: with cp_size > 1 a rank holds ch
 2 cp_size - 1 - cp_rank of every sequence, c = s / 2 tokens each). `cu_seqlens` is accepted and unused (thd is
 not a packed-QKV format).
 
-The gradient of qkv is assembled from three outputs' upstream gradients, so the generic backward (one output's
-pairs per argument) cannot scale it: `backward_qkv`, an invariant here, checks it against autograd of define()
-with `grad_scale`'s per-part accuracy scale; DIFFERENTIABLE stays empty so that the generic one does not run.
+The gradient of qkv is assembled from three outputs' upstream gradients: `grad_scale` gives the generic
+backward its accuracy scale part by part.
 """
 from __future__ import annotations
 
@@ -23,9 +22,9 @@ from typing import NamedTuple, Optional
 import torch
 from hypothesis import strategies as st
 
-from .. import accuracy, pairing
-from ..contract import Returned, Snapshot, bits
-from ..run import inputs64, make_case, outputs
+from .. import pairing
+from ..contract import Returned, bits
+from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, small
 
@@ -77,7 +76,7 @@ class TEQKV(Convention):
     NAME = "te-qkv"
     SIGNATURE = ("qkv", "q_freqs", "k_freqs", "qkv_split_arg_list", "tensor_format", "start_positions",
                  "interleaved", "cu_seqlens", "cp_size", "cp_rank")
-    DIFFERENTIABLE = ()  # qkv's gradient is checked by the backward_qkv invariant (see the module docstring)
+    DIFFERENTIABLE = ("qkv",)
     CAPS = {
         "dtypes": (DTYPES, "dtypes of qkv"),
         "freqs_dtypes": (DTYPES, "dtypes of q_freqs and k_freqs (read as float32)"),
@@ -166,7 +165,7 @@ class TEQKV(Convention):
         out["v"] = Expect(v, v, 0, p.interleaved, p.dtype)
         return out
 
-    def grad_scale(self, case, up64: dict):
+    def grad_scale(self, case, arg, up64: dict, expect=None):
         """The accuracy scale of qkv's gradient and where it is a copy of the upstream gradient: q's part from q's
         upstream pairs (nq / nk heads of width nk per qkv head), k's from k's, v's a copy."""
         p = case.plan
@@ -267,39 +266,11 @@ def cp_shards(conv, fn, caps, plan):
         same(f"rank {rank} of {size}: {name} against the unsharded call's tokens", g, w.index_select(dim, tokens))
 
 
-def backward_qkv(conv, fn, caps, plan):
-    """qkv's gradient (qkv a view in the graph, random upstream gradients on q, k and v) within the accuracy model
-    of autograd of define(), scaled per part by grad_scale; the upstream gradients left as they were."""
-    if not caps["backward"]:
-        return
-    case = make_case(conv, caps, plan)
-    x64 = inputs64(case, grad=("qkv",))
-    leaf = case.args["qkv"].detach().clone().requires_grad_()
-    case.args["qkv"].copy_(leaf)  # the argument stays a view in its layout, now of a tensor in the graph
-    got, _ = outputs(conv, case, case.call(fn))
-    expect = conv.define(case, x64)
-    gen = torch.Generator().manual_seed(plan.seed + 1)
-    ups = {n: torch.randn(tuple(got[n].shape), generator=gen, dtype=torch.float64).to(got[n].dtype)
-           .to(got[n].device) for n in expect}
-    for n in expect:
-        assert got[n].requires_grad, f"backward: {n} is not in qkv's graph (the gradient flows to qkv from q, k and v)"
-    snap = Snapshot(list(ups.values()))
-    torch.autograd.backward([got[n] for n in expect], [ups[n] for n in expect])
-    snap.check_unchanged()
-    up64 = {n: ups[n].detach().cpu().double() for n in expect}
-    ref, = torch.autograd.grad([expect[n].value for n in expect], [x64["qkv"]], [up64[n] for n in expect])
-    assert leaf.grad is not None, "backward: no gradient for qkv"
-    scale, copied = conv.grad_scale(case, up64)
-    accuracy.check("backward: grad of qkv", leaf.grad, ref, scale, plan.dtype, caps.get("accuracy", "float32"),
-                   copied)
-
-
 TEQKV.INVARIANTS = {
     "v_copied": v_copied,
     "q_k_agree": q_k_agree,
     "formats_transposed": formats_transposed,
     "start_positions_shift": start_positions_shift,
     "cp_shards": cp_shards,
-    "backward_qkv": backward_qkv,
 }
 CONVENTION = TEQKV()

@@ -48,9 +48,17 @@ def writes_a_copy(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return q, k
 
 
-def returns_new_tensors(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    """Out of place, as transformers' own function: new tensors, q and k left as they were."""
-    return correct(q.clone(), k.clone(), cos, sin)
+def second_half_reads_written_first(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """In place, the first half of each pair stored before the second half reads it (no temporary)."""
+    cos, sin = tables3(cos, sin)
+    b, _, s, _ = q.shape
+    c, s_ = per_token(cos, b, s).unsqueeze(1), per_token(sin, b, s).unsqueeze(1)
+    half = c.shape[-1]
+    for x in (q, k):
+        x1, x2 = x[..., :half], x[..., half: 2 * half]
+        x1.copy_((x1.float() * c.float() - x2.float() * s_.float()).to(x.dtype))
+        x2.copy_((x2.float() * c.float() + x1.float() * s_.float()).to(x.dtype))
+    return q, k
 
 
 def k_rows_by_q_heads(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -146,7 +154,7 @@ def backward_not_transposed(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
 CORRECT = correct
 BUGS = {
     "writes_a_copy": (writes_a_copy, ("forward",)),
-    "returns_new_tensors": (returns_new_tensors, ("forward",)),
+    "second_half_reads_written_first": (second_half_reads_written_first, ("forward",)),
     "k_rows_by_q_heads": (k_rows_by_q_heads, ("forward", "q_k_independent")),
     "ignores_table_batch": (ignores_table_batch, ("forward",)),
     "rank2_as_batch": (rank2_as_batch, ("forward", "rank2_tables")),

@@ -150,6 +150,6 @@ BUGS = {
     "k_ignores_start_positions": (k_ignores_start_positions, ("forward", "start_positions_shift")),
     "cp_second_chunk_wrong": (cp_second_chunk_wrong, ("forward", "cp_shards")),
     "k_not_interleaved": (k_not_interleaved, ("forward", "q_k_agree")),
-    "v_without_gradient": (v_without_gradient, ("backward_qkv",)),
+    "v_without_gradient": (v_without_gradient, ("backward",)),
     "k_rounds_in_float64": (k_rounds_in_float64, ("q_k_agree",)),
 }
