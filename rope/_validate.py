@@ -200,8 +200,11 @@ def check_disjoint(q: torch.Tensor, k: torch.Tensor, names: tuple = ("q", "k")) 
     key = (q.shape, k.shape, q.stride(), k.stride(), delta)
     overlap = _DISJOINT.get(key)
     if overlap is None:
-        same = q.stride() == k.stride()  # other strides, or undecided (None): counted as sharing
-        overlap = not same or _same_stride_views_overlap(q.shape, k.shape, q.stride(), delta) is not False
+        # A dim of size 1 in one view has no stride that matters there (views give such dims any stride): the
+        # other's stride stands for both. Other strides, or undecided (None): counted as sharing.
+        strides = tuple(sq if nq > 1 else sk for sq, sk, nq in zip(q.stride(), k.stride(), q.shape, strict=True))
+        same = all(sk == st for sk, st, nk in zip(k.stride(), strides, k.shape, strict=True) if nk > 1)
+        overlap = not same or _same_stride_views_overlap(q.shape, k.shape, strides, delta) is not False
         if len(_DISJOINT) >= _DISJOINT_MAX:
             _DISJOINT.clear()
         _DISJOINT[key] = overlap

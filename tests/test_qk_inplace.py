@@ -355,3 +355,19 @@ def test_inplace_on_views_autograd_refuses_writes_nothing(kind, on):
     with reference_path(on), pytest.raises(ValueError, match=rf"^{name}: in-place rotation of a .*(leaf|view)"):
         call()
     assert torch.equal(base.detach(), before), "written before the error"
+
+
+def test_packed_head_slices_with_one_key_head_are_disjoint():
+    """vLLM's query and key as head slices of one packed buffer, key with one head (GQA/MQA): a view gives a dim of
+    size 1 any stride, so the two strides differ there though only the other view's stride matters. Accepted, and
+    rotated as separate tensors are."""
+    gen = torch.Generator().manual_seed(5)
+    packed = torch.randn(3, 4, 3, generator=gen).to(DEVICE)  # [T, heads, head stride 3], channels 0..1 used
+    query, key = packed[:, :2, :2], packed[:, 2:3, :2].reshape(3, 1, 2)
+    assert query.stride()[1] != key.stride()[1]
+    cache = torch.randn(8, 2, generator=gen).to(DEVICE)
+    positions = torch.tensor([0, 5, 7], device=DEVICE)
+    want_q, want_k = query.clone(), key.clone()
+    rope.vllm.rotary_embedding(positions, want_q, want_k, 2, cache, True)
+    rope.vllm.rotary_embedding(positions, query, key, 2, cache, True)
+    assert torch.equal(query, want_q) and torch.equal(key, want_k)
