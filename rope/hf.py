@@ -49,7 +49,7 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
 
 def _bshd_views(q, k, unsqueeze_dim):
     """q and k as [b, s, h, d] views (the kernel's bshd roles), checked."""
-    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or unsqueeze_dim not in _SHAPES:  # True == 1
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or unsqueeze_dim not in _SHAPES:
         raise ValueError(f"unsqueeze_dim: expected 1 (q, k as {_SHAPES[1]}) or 2 ({_SHAPES[2]}), got {unsqueeze_dim!r}")
     for name, x in (("q", q), ("k", k)):
         if not isinstance(x, torch.Tensor):
