@@ -48,12 +48,11 @@ _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.filter_too_much])
 # CI default: Triton's interpreter on the CPU. Small shapes (tests/strategies.py LIMITS), the same
-# examples every run, no example database, no targeting phase (its extra runs cost minutes). 30
-# examples per property: the whole CPU suite must fit CI's 15 minutes on 2 cores with room to
-# spare. The properties' coverage comes
-# from the GPU profile (100 examples, realistic shapes) and the nightly one; here they check that
-# every path runs and agrees with float64 on small shapes.
-settings.register_profile("cpu-interp", max_examples=30, derandomize=True, database=None,
+# examples every run, no example database, no targeting phase (its extra runs cost minutes). 20 examples per
+# property: the whole CPU suite, the native conventions' properties included, must fit CI's 15 minutes on 2
+# cores. The properties' coverage comes from the GPU profile (100 examples, realistic shapes) and the nightly
+# one; here they check that every path runs and agrees with float64 on small shapes.
+settings.register_profile("cpu-interp", max_examples=20, derandomize=True, database=None,
                           phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink], **_COMMON)
 # On the device: realistic shapes up to tens of MB per tensor. Compile-bound, not GPU-bound: nearly
 # every drawn (dtype, d, d2, mode, direction, tile) is a new Triton specialization (about 500 in 600
