@@ -17,12 +17,14 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 class Returned(NamedTuple):
     """One element of what a call returns: the output `name`; `arg` names the argument it must be (in place),
-    None for a new tensor. same=False: the result may be new or share the argument's memory, and the argument may
-    be written, with the result only (Liger's kernel writes q's memory where q is laid out as a projection gives
-    it, and returns a view of it; elsewhere it rotates a copy)."""
+    None for a new tensor. same="memory": the argument's memory, written (the argument itself, or a tensor with its
+    data pointer, shape and strides, as an autograd Function that does not mark its input dirty returns it).
+    same=False: the result may be new or share the argument's memory, and the argument may be written, with the
+    result only (Liger's kernel writes q's memory where q is laid out as a projection gives it, and returns a view
+    of it; elsewhere it rotates a copy)."""
     name: str
     arg: Optional[str] = None
-    same: bool = True
+    same: object = True
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -44,6 +46,11 @@ def written_mask(buffer: torch.Tensor, views) -> torch.Tensor:
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same elements in the same places: data pointer, shape and strides."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
 
 
 class Snapshot:
@@ -80,7 +87,11 @@ def check_returned(result, promised, args: dict, buffers) -> dict:
     out = {}
     for r, g in zip(items, got, strict=True):
         assert isinstance(g, torch.Tensor), f"side effect: {r.name}: expected a tensor, got {type(g).__name__}"
-        if r.arg is not None and r.same:
+        if r.arg is not None and r.same == "memory":
+            got = "another view of it" if same_storage(g, args[r.arg]) else "a new tensor"
+            assert same_memory(g, args[r.arg]), \
+                f"side effect: {r.name}: expected the argument {r.arg}'s memory (in place), got {got}"
+        elif r.arg is not None and r.same:
             assert g is args[r.arg], f"side effect: {r.name}: expected the argument {r.arg} itself (in place)"
         elif r.arg is not None:
             pass  # new, or over the argument's memory: the argument then holds the result (run.outputs checks)

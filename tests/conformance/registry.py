@@ -32,14 +32,24 @@ NAMED = {
         "mrope": (("rope.mrope:apply_multimodal_rotary_pos_emb",), {}),
         "te-qkv": (("rope:apply_fused_qkv_rotary_pos_emb",), {}),
     },
-    "hf": {"hf": (("transformers.models.llama.modeling_llama:apply_rotary_pos_emb",), {"accuracy": "dtype"})},
-    "flash": {"flash": (("flash_attn.layers.rotary:apply_rotary_emb",), {})},
+    # transformers evaluates its expression in the activations' dtype; 5.x has no position_ids parameter
+    "hf": {"hf": (("transformers.models.llama.modeling_llama:apply_rotary_pos_emb",),
+                  {"accuracy": "dtype", "position_ids": False})},
+    # flash-attention's Triton apply_rotary asserts the tables are in x's dtype
+    "flash": {"flash": (("flash_attn.layers.rotary:apply_rotary_emb",), {"float32_tables": False})},
     "liger": {"liger": (("liger_kernel.transformers.rope:liger_rotary_pos_emb",), {})},
+    # Liger's mRoPE kernel: transformers' signature, q and k written where laid out as a projection gives them,
+    # the first half of each table read, math in the tables' dtype
     "liger-mrope": {"hf-mrope": (("liger_kernel.transformers.qwen2vl_mrope:liger_multimodal_rotary_pos_emb",),
-                                 {})},
-    "vllm": {"vllm": (("vllm._custom_ops:rotary_embedding",), {})},
+                                 {"in_place": True, "elementwise_tables": False, "accuracy": "dtype"})},
+    # vLLM's CUDA op: the cache in query's dtype, contiguous cache rows and int64 positions, math in query's dtype
+    "vllm": {"vllm": (("vllm._custom_ops:rotary_embedding",),
+                      {"cache_dtypes": "query", "strided_cache": False, "strided_positions": False,
+                       "int32_positions": False, "accuracy": "dtype"})},
+    # TE asserts contiguous qkv and freqs, and refuses start_positions with context parallelism
     "te": {"te-qkv": (("transformer_engine.pytorch.attention.rope:apply_fused_qkv_rotary_pos_emb",
-                       "transformer_engine.pytorch.attention:apply_fused_qkv_rotary_pos_emb"), {})},
+                       "transformer_engine.pytorch.attention:apply_fused_qkv_rotary_pos_emb"),
+                      {"strides": False, "cp_start_positions": False})},
 }
 OURS = ("rope", "rope:apply_rotary_pos_emb", "rope.functional:apply_rotary_pos_emb")
 
