@@ -16,8 +16,9 @@ from typing import NamedTuple
 import torch
 from hypothesis import strategies as st
 
-from .. import accuracy, pairing
-from ..contract import Returned, bits, same_memory
+from .. import pairing
+from ..compare import assert_bitwise, assert_undone, assert_within
+from ..contract import Returned, same_memory
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, small
@@ -174,41 +175,10 @@ def result_of(case, result):
     return result
 
 
-def assert_same(what, got, want):
-    """Bitwise equal (NaN payloads and signed zeros included)."""
-    got, want = got.detach().cpu(), want.detach().cpu()
-    assert got.shape == want.shape and got.dtype == want.dtype, \
-        f"{what}: {tuple(got.shape)} {got.dtype} against {tuple(want.shape)} {want.dtype}"
-    bad = bits(got) != bits(want)
-    if bad.any():
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements differ; first at {idx}: "
-                             f"{got[idx].item()!r} against {want[idx].item()!r}")
-
-
 def assert_close(what, got, want, rot, interleaved, caps, roundings=3.0):
-    """Two results of one definition, each within the accuracy model: within `roundings` of its bound of each
-    other; channels past the rotary width (copies) bitwise. The pair scale is taken from `want` (a rotation
-    keeps a pair's norm, so it is within sqrt(2) of the input's)."""
-    got, want = got.detach().cpu(), want.detach().cpu()
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} against {tuple(want.shape)}"
-    scale = pairing.pair_scale(want, rot, interleaved)
-    tol = roundings * accuracy.bound(want.double(), scale, want.dtype, caps.get("accuracy", "float32"))
-    bad = ~((got.double() - want.double()).abs() <= tol)
-    bad[..., rot:] = bits(got[..., rot:]) != bits(want[..., rot:])
-    if bad.any():
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements differ beyond {roundings} "
-                             f"roundings; first at {idx}: {got[idx].item()!r} against {want[idx].item()!r}")
-
-
-def inverse_tolerance(x, rot, interleaved, dtype, table_dtype, model):
-    """|R(-theta) round(R(theta) x) - x| per element, after two calls and with rounded tables: each call's
-    error (one rounding, or dtype math) rotated into both members of a pair, plus |cos^2 + sin^2 - 1| of the
-    rounded tables (up to EPS of their dtype) times the pair's scale s."""
-    s = pairing.pair_scale(x, rot, interleaved)
-    per_call = (accuracy.EPS[dtype] + accuracy.F32_EVAL) if model == "float32" else 2 * accuracy.EPS[dtype]
-    return 4 * per_call * s + 2 * accuracy.EPS[table_dtype] * s + 4 * accuracy.ETA[dtype]
+    """Two results of one definition, within `roundings` bounds of each other (a kernel may contract either
+    product); the pair scale from `want` (a rotation keeps a pair's norm)."""
+    assert_within(what, got, want, want, rot, interleaved, roundings, caps.get("accuracy", "float32"))
 
 
 def inplace_equals_out_of_place(conv, fn, caps, plan):
@@ -219,7 +189,7 @@ def inplace_equals_out_of_place(conv, fn, caps, plan):
     new = result_of(case, new)
     case, written = call(fn, caps, plan._replace(inplace=True))
     written = result_of(case, written)
-    assert_same("inplace=True against inplace=False", written, new)
+    assert_bitwise("inplace=True against inplace=False", written, new)
 
 
 def int_offset_equals_tensor(conv, fn, caps, plan):
@@ -278,16 +248,7 @@ def inverse(conv, fn, caps, plan):
         out = result_of(case, case.call(fn))
         case.args.update(x=out, sin=-case.args["sin"])
         back = result_of(case, case.call(fn))
-    tol = inverse_tolerance(x0, plan.rot, plan.interleaved, plan.dtype, plan.table_dtype,
-                            caps.get("accuracy", "float32"))
-    back = back.detach().cpu()
-    bad = ~((back.double() - x0.double()).abs() <= tol)
-    bad[..., plan.rot:] = bits(back[..., plan.rot:]) != bits(x0[..., plan.rot:])
-    if bad.any():
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise AssertionError(f"inverse: the call with -sin does not undo the call: {int(bad.sum())} of "
-                             f"{bad.numel()} elements; first at {idx}: {back[idx].item()!r}, x was "
-                             f"{x0[idx].item()!r} (tolerance {tol[idx].item():.3g})")
+    assert_undone("inverse", back, x0, plan.rot, plan.interleaved, plan.table_dtype, caps.get("accuracy", "float32"))
 
 
 def pairing_orders(rot: int, d: int):

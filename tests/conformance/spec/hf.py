@@ -14,8 +14,9 @@ from typing import NamedTuple
 import torch
 from hypothesis import strategies as st
 
-from .. import accuracy, pairing
-from ..contract import Returned, bits
+from .. import pairing
+from ..compare import assert_bitwise, assert_undone, assert_within
+from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, small
@@ -139,18 +140,6 @@ def call(fn, case, **overrides):
     return replace(case, args=args).call(fn)
 
 
-def same(what, got, want):
-    """Bitwise equal: the same expression on the same values, however the arguments lie in memory."""
-    assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got).__name__}"
-    assert tuple(got.shape) == tuple(want.shape) and got.dtype == want.dtype, \
-        f"{what}: {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
-    differ = bits(got) != bits(want)
-    if differ.any():
-        idx = tuple(int(i) for i in differ.nonzero()[0])
-        raise AssertionError(f"{what}: {int(differ.sum())} of {differ.numel()} elements differ bitwise; first at "
-                             f"{idx}: {got.contiguous()[idx].item()!r} vs {want.contiguous()[idx].item()!r}")
-
-
 def heads_dim(case) -> int:
     return case.plan.unsqueeze_dim
 
@@ -165,7 +154,7 @@ def unsqueeze_dim_transposed(conv, fn, caps, plan):
     want = call(fn, case)
     got = call(fn, case, q=q.transpose(1, 2), k=k.transpose(1, 2), unsqueeze_dim=1)
     for name, g, w in zip(("q", "k"), got, want, strict=True):
-        same(f"unsqueeze_dim: {name} with 1 on the transposed view, against 2", g.transpose(1, 2), w)
+        assert_bitwise(f"unsqueeze_dim: {name} with 1 on the transposed view, against 2", g.transpose(1, 2), w)
 
 
 def tables_batch_broadcast(conv, fn, caps, plan):
@@ -184,7 +173,7 @@ def tables_batch_broadcast(conv, fn, caps, plan):
     for what, c, s in variants:
         got = call(fn, case, cos=c, sin=s)
         for name, g, w in zip(("q", "k"), got, want, strict=True):
-            same(f"tables {what} to batch {b}: {name}, against batch 1", g, w)
+            assert_bitwise(f"tables {what} to batch {b}: {name}, against batch 1", g, w)
 
 
 def other_head_count(plan, caps) -> int:
@@ -195,8 +184,8 @@ def other_head_count(plan, caps) -> int:
 
 def q_k_independent(conv, fn, caps, plan):
     """q's result does not depend on k (another k, with another head count where GQA is drawn, leaves it bitwise
-    unchanged), and k's result is what the same tensor gives in q's place (within two roundings: see
-    within_two_roundings)."""
+    unchanged), and k's result is what the same tensor gives in q's place (within two roundings: q's and k's
+    paths may contract their products differently)."""
     case = make_case(conv, caps, plan)
     q1, _ = call(fn, case)
     k = case.args["k"]
@@ -205,10 +194,10 @@ def q_k_independent(conv, fn, caps, plan):
     gen = torch.Generator().manual_seed(plan.seed + 2)
     k2 = torch.randn(shape, generator=gen, dtype=torch.float64).to(k.dtype).to(k.device)
     q2, k2_out = call(fn, case, k=k2)
-    same("q after k was changed", q2, q1)
+    assert_bitwise("q after k was changed", q2, q1)
     as_q, _ = call(fn, case, q=k2, k=k2)
-    within_two_roundings(f"k with {shape[heads_dim(case)]} heads, against the same tensor in q's place", k2_out,
-                         as_q, k2, case.args["cos"].shape[-1], caps.get("accuracy", "float32"))
+    assert_within(f"k with {shape[heads_dim(case)]} heads, against the same tensor in q's place", k2_out, as_q, k2,
+                  case.args["cos"].shape[-1], False, 2, caps.get("accuracy", "float32"))
 
 
 def swap_q_k(conv, fn, caps, plan):
@@ -221,48 +210,19 @@ def swap_q_k(conv, fn, caps, plan):
     q2, k2 = call(fn, case, q=case.args["k"], k=case.args["q"])
     rot = case.args["cos"].shape[-1]
     model = caps.get("accuracy", "float32")
-    within_two_roundings("q's result with q and k swapped, against k's", q2, k1, k_in, rot, model)
-    within_two_roundings("k's result with q and k swapped, against q's", k2, q1, q_in, rot, model)
-
-
-def within_two_roundings(what, got, want, x, rot, model):
-    """got and want, two results for input x that may differ in the kernel's order of operations (q's and k's
-    paths), each within the accuracy model of the same exact value: so within two bounds of each other."""
-    want64, got64 = want.detach().cpu().double(), got.detach().cpu().double()
-    allowed = 2 * accuracy.bound(want64, pairing.pair_scale(x.detach().cpu(), rot, False), want.dtype, model)
-    bad = ~((got64 - want64).abs() <= allowed)
-    bad[..., rot:] |= got64[..., rot:] != want64[..., rot:]  # copied channels: bitwise
-    assert got.dtype == want.dtype and not bad.any(), \
-        f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond two roundings apart"
+    assert_within("q's result with q and k swapped, against k's", q2, k1, k_in, rot, False, 2, model)
+    assert_within("k's result with q and k swapped, against q's", k2, q1, q_in, rot, False, 2, model)
 
 
 def inverse(conv, fn, caps, plan):
-    """(cos, -sin) on the result gives back the input, within two roundings.
-
-    The tables are the exact cos/sin rounded to their dtype T: c~ = c(1 + d1), s~ = s(1 + d2), |d| <= EPS[T]/2, so
-    c~^2 + s~^2 = 1 + 2 c^2 d1 + 2 s^2 d2 + O(EPS^2) differs from 1 by up to EPS[T] (2 EPS[T] allowed). The second
-    call applies the transpose of the first rotation matrix, R^T R = (c~^2 + s~^2) I, on a pair of scale
-    s = |x_i| + |x_p|. Each call errs by at most B(s) = accuracy.bound(s, s, D, model) per element (|ref| <= s);
-    the second call carries the first call's error of both pair members (2 B) and adds its own on a pair of scale
-    up to 2 s (2 B): 4 B(s) in all. Equal pair halves only: with elementwise tables the call is no rotation."""
+    """(cos, -sin) on the result gives back the input, within two roundings and the tables' rounding
+    (compare.assert_undone). Equal pair halves only: with elementwise tables the call is no rotation."""
     case = make_case(conv, caps, plan._replace(equal_halves=True))
     once = call(fn, case)
     twice = call(fn, case, q=once[0], k=once[1], sin=-case.args["sin"])
-    rot = case.args["cos"].shape[-1]
-    model = caps.get("accuracy", "float32")
-    table_eps = accuracy.EPS[case.args["cos"].dtype]
     for name, back in zip(("q", "k"), twice, strict=True):
-        x = case.args[name].detach().double().cpu()
-        got = back.detach().double().cpu()
-        scale = pairing.pair_scale(x, rot, False)
-        tol = 2 * table_eps * scale + 4 * accuracy.bound(scale, scale, back.dtype, model)
-        tol[..., rot:] = 0  # past the rotary width: copied twice, bitwise
-        bad = ~((got - x).abs() <= tol)  # NaN fails
-        if bad.any():
-            idx = tuple(int(i) for i in bad.nonzero()[0])
-            raise AssertionError(f"inverse: {name} after (cos, sin) then (cos, -sin): {int(bad.sum())} of {bad.numel()}"
-                                 f" elements off by more than two roundings; first at {idx}: got {got[idx].item()!r},"
-                                 f" input {x[idx].item()!r}, bound {tol[idx].item():.3g}")
+        assert_undone(f"inverse: {name}", back, case.args[name], case.args["cos"].shape[-1], False,
+                      case.args["cos"].dtype, caps.get("accuracy", "float32"))
 
 
 INVARIANTS = {

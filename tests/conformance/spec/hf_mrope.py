@@ -19,7 +19,8 @@ from typing import NamedTuple
 import torch
 from hypothesis import strategies as st
 
-from .. import accuracy, pairing
+from .. import pairing
+from ..compare import assert_bitwise, assert_within
 from ..contract import Returned
 from ..run import inputs64, make_case
 from ..tensors import Layout, contiguous, layouts, seeds
@@ -85,30 +86,6 @@ def other_sections(section, interleaved_layout: bool) -> tuple:
         if c != tuple(section):
             return c
     return tuple(section)
-
-
-def assert_same(what: str, got, want):
-    """Bitwise equal (NaN payloads included): two calls that must compute the same expressions."""
-    assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got).__name__}"
-    assert got.shape == want.shape and got.dtype == want.dtype, \
-        f"{what}: shape/dtype {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
-    diff = ~((got == want) | (got.isnan() & want.isnan()))
-    if diff.any():
-        idx = tuple(int(i) for i in diff.nonzero()[0])
-        raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} elements differ; first at {idx}: "
-                             f"{got[idx].item()!r} vs {want[idx].item()!r}")
-
-
-def assert_within(what: str, got, ref64, source64, rot: int, interleaved: bool, rounds: int, model: str):
-    """got within `rounds` times the accuracy model's bound of ref64 (a result computed through `rounds`
-    calls, each rounding once)."""
-    g, ref64 = got.detach().double().cpu(), ref64.detach().double().cpu()
-    scale = pairing.pair_scale(source64, rot, interleaved)
-    bad = ~((g - ref64).abs() <= rounds * accuracy.bound(ref64, scale, got.dtype, model))
-    if bad.any():
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements off; first at {idx}: got "
-                             f"{g[idx].item()!r}, want {ref64[idx].item()!r} (dtype {got.dtype})")
 
 
 # ---- transformers' convention -------------------------------------------------------------------------------
@@ -227,8 +204,8 @@ def equal_streams(conv, fn, caps, plan):
     q_out, k_out = call_pair(base, fn)
     other = list(other_sections(p.section, conv.INTERLEAVED_LAYOUT))
     q2, k2 = call_pair(fresh(base, mrope_section=other), fn)
-    assert_same(f"equal streams, sections {list(p.section)} vs {other}: q", q2, q_out)
-    assert_same(f"equal streams, sections {list(p.section)} vs {other}: k", k2, k_out)
+    assert_bitwise(f"equal streams, sections {list(p.section)} vs {other}: q", q2, q_out)
+    assert_bitwise(f"equal streams, sections {list(p.section)} vs {other}: k", k2, k_out)
     c64, s64 = (t[0].detach().double().cpu().unsqueeze(p.unsqueeze_dim) for t in (cos, sin))
     model = caps.get("accuracy", "float32")
     for name, got in (("q", q_out), ("k", k_out)):
@@ -262,8 +239,8 @@ def q_k_independent(conv, fn, caps, plan):
     gen = torch.Generator().manual_seed(plan.seed + 7)
     other = {n: (torch.randn(case.args[n].shape, generator=gen).to(case.args[n].dtype).to(case.args[n].device))
              for n in ("q", "k")}
-    assert_same("q independent of k", call_pair(fresh(case, k=other["k"]), fn)[0], q_out)
-    assert_same("k independent of q", call_pair(fresh(case, q=other["q"]), fn)[1], k_out)
+    assert_bitwise("q independent of k", call_pair(fresh(case, k=other["k"]), fn)[0], q_out)
+    assert_bitwise("k independent of q", call_pair(fresh(case, q=other["q"]), fn)[1], k_out)
 
 
 def unsqueeze_dim_equivalent(conv, fn, caps, plan):
@@ -279,8 +256,8 @@ def unsqueeze_dim_equivalent(conv, fn, caps, plan):
         q, k = q.contiguous(), k.contiguous()
     flipped = fresh(case, q=q, k=k, unsqueeze_dim=other)
     q2, k2 = call_pair(flipped, fn)
-    assert_same(f"unsqueeze_dim {other} on the transpose: q", q2.transpose(1, 2), q_out)
-    assert_same(f"unsqueeze_dim {other} on the transpose: k", k2.transpose(1, 2), k_out)
+    assert_bitwise(f"unsqueeze_dim {other} on the transpose: q", q2.transpose(1, 2), q_out)
+    assert_bitwise(f"unsqueeze_dim {other} on the transpose: k", k2.transpose(1, 2), k_out)
 
 
 def relabel_streams(conv, fn, caps, plan):
@@ -297,8 +274,8 @@ def relabel_streams(conv, fn, caps, plan):
                   cos=case.args["cos"][perm][..., channels], sin=case.args["sin"][perm][..., channels],
                   mrope_section=[p.section[m] for m in perm])
     q2, k2 = call_pair(moved, fn)
-    assert_same(f"streams relabelled {perm}: q", q2, q_out[..., channels])
-    assert_same(f"streams relabelled {perm}: k", k2, k_out[..., channels])
+    assert_bitwise(f"streams relabelled {perm}: q", q2, q_out[..., channels])
+    assert_bitwise(f"streams relabelled {perm}: k", k2, k_out[..., channels])
 
 
 HFMRoPE.INVARIANTS = {"equal_streams": equal_streams, "inverse": inverse, "q_k_independent": q_k_independent,

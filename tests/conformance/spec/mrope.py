@@ -17,11 +17,12 @@ import torch
 from hypothesis import strategies as st
 
 from .. import pairing
+from ..compare import assert_bitwise, assert_within
 from ..contract import Returned
 from ..run import inputs64, make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, small
-from .hf_mrope import assert_same, assert_within, other_sections, sections, select, stream_of_channel
+from .hf_mrope import other_sections, sections, select, stream_of_channel
 
 FORMATS = ("thd", "sbhd", "bshd")
 
@@ -136,10 +137,10 @@ def equal_streams(conv, fn, caps, plan):
     equal = one.expand(3, *p.lead).contiguous()
     got = call(case, fn, positions=equal)
     other = list(other_sections(p.section, p.mrope_interleaved))
-    assert_same(f"equal streams, sections {list(p.section)} vs {other}", call(case, fn, positions=equal,
+    assert_bitwise(f"equal streams, sections {list(p.section)} vs {other}", call(case, fn, positions=equal,
                                                                                 mrope_section=other), got)
     if caps["text_positions"]:
-        assert_same("positions [*lead] vs [3, *lead] of equal rows", call(case, fn, positions=one.contiguous()), got)
+        assert_bitwise("positions [*lead] vs [3, *lead] of equal rows", call(case, fn, positions=one.contiguous()), got)
     x64 = inputs64(case)
     angles = x64["freqs"][:, 0, 0, :][one.long().cpu()].unsqueeze(-2)
     ref = pairing.rotate(x64["t"], angles.cos(), angles.sin(), p.interleaved)
@@ -160,11 +161,11 @@ def formats_equivalent(conv, fn, caps, plan):
         if other in caps["formats"]:
             swapped = call(case, fn, t=t.transpose(0, 1), positions=pos.transpose(streams, streams + 1),
                            tensor_format=other)
-            assert_same(f"{p.tensor_format} vs {other} on the transposed views", swapped.transpose(0, 1), got)
+            assert_bitwise(f"{p.tensor_format} vs {other} on the transposed views", swapped.transpose(0, 1), got)
     if "thd" in caps["formats"]:
         flat = call(case, fn, t=t.reshape(-1, p.h, p.d), positions=pos.reshape(*pos.shape[:streams], -1),
                     tensor_format="thd")
-        assert_same(f"{p.tensor_format} vs thd on the tokens flattened", flat.reshape(got.shape), got)
+        assert_bitwise(f"{p.tensor_format} vs thd on the tokens flattened", flat.reshape(got.shape), got)
 
 
 def interleaved_equivalent(conv, fn, caps, plan):
@@ -182,7 +183,7 @@ def interleaved_equivalent(conv, fn, caps, plan):
     split = call(case, fn, interleaved=False)
     gptj = call(case, fn, t=t[..., torch.cat([to_gptj, rest])], freqs=freqs[..., to_gptj], interleaved=True)
     back = torch.cat([half_split.to(dev), rest])
-    assert_same("interleaved=True on rearranged channels vs half-split", gptj[..., back], split)
+    assert_bitwise("interleaved=True on rearranged channels vs half-split", gptj[..., back], split)
 
 
 def inverse(conv, fn, caps, plan):

@@ -23,7 +23,8 @@ import torch
 from hypothesis import strategies as st
 
 from .. import pairing
-from ..contract import Returned, bits
+from ..compare import assert_bitwise
+from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, small
@@ -184,17 +185,6 @@ def call(fn, case, **overrides):
     return replace(case, args={n: v for n, v in args.items() if v is not None}).call(fn)
 
 
-def same(what, got, want):
-    assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {type(got).__name__}"
-    assert tuple(got.shape) == tuple(want.shape) and got.dtype == want.dtype, \
-        f"{what}: {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
-    differ = bits(got) != bits(want)
-    if differ.any():
-        idx = tuple(int(i) for i in differ.nonzero()[0])
-        raise AssertionError(f"{what}: {int(differ.sum())} of {differ.numel()} elements differ bitwise; first at "
-                             f"{idx}: {got.contiguous()[idx].item()!r} vs {want.contiguous()[idx].item()!r}")
-
-
 def seq_dim(fmt: str) -> int:
     return 0 if fmt == "sbhd" else 1
 
@@ -203,7 +193,7 @@ def v_copied(conv, fn, caps, plan):
     """v is qkv's v part, bitwise; q, k and v are new contiguous tensors."""
     case = make_case(conv, caps, plan)
     q, k, v = call(fn, case)
-    same("v against qkv's v part", v, split(plan, case.args["qkv"])[2])
+    assert_bitwise("v against qkv's v part", v, split(plan, case.args["qkv"])[2])
     for name, t in (("q", q), ("k", k), ("v", v)):
         assert t.is_contiguous(), f"{name}: a new contiguous tensor was promised, got strides {t.stride()}"
 
@@ -215,7 +205,7 @@ def q_k_agree(conv, fn, caps, plan):
     qkv = case.args["qkv"].clone()
     qkv[..., plan.nk: 2 * plan.nk] = qkv[..., : plan.nk]
     q, k, _ = call(fn, case, qkv=qkv, k_freqs=case.args["q_freqs"])
-    same("k's result against q's for equal parts and angles", k, q)
+    assert_bitwise("k's result against q's for equal parts and angles", k, q)
 
 
 def formats_transposed(conv, fn, caps, plan):
@@ -226,7 +216,7 @@ def formats_transposed(conv, fn, caps, plan):
     want = call(fn, case)
     got = call(fn, case, qkv=case.args["qkv"].transpose(0, 1).contiguous(), tensor_format="bshd")
     for name, g, w in zip("qkv", got, want, strict=True):
-        same(f"bshd {name} against sbhd's transposed", g, w.transpose(0, 1))
+        assert_bitwise(f"bshd {name} against sbhd's transposed", g, w.transpose(0, 1))
 
 
 def start_positions_shift(conv, fn, caps, plan):
@@ -243,7 +233,8 @@ def start_positions_shift(conv, fn, caps, plan):
         got = call(fn, case, qkv=one, q_freqs=case.args["q_freqs"][start:], k_freqs=case.args["k_freqs"][start:],
                    start_positions=None)
         for name, g, w in zip("qkv", got, want, strict=True):
-            same(f"sequence {i}: {name} with freqs shifted by start_positions {start}", g, w.narrow(dim, i, 1))
+            assert_bitwise(f"sequence {i}: {name} with freqs shifted by start_positions {start}", g,
+                           w.narrow(dim, i, 1))
 
 
 def cp_shards(conv, fn, caps, plan):
@@ -263,7 +254,8 @@ def cp_shards(conv, fn, caps, plan):
     local = full.args["qkv"].index_select(dim, tokens)
     got = call(fn, full, qkv=local, cp_size=size, cp_rank=rank)
     for name, g, w in zip("qkv", got, want, strict=True):
-        same(f"rank {rank} of {size}: {name} against the unsharded call's tokens", g, w.index_select(dim, tokens))
+        assert_bitwise(f"rank {rank} of {size}: {name} against the unsharded call's tokens", g,
+                       w.index_select(dim, tokens))
 
 
 TEQKV.INVARIANTS = {

@@ -15,8 +15,8 @@ from typing import NamedTuple
 import torch
 from hypothesis import strategies as st
 
-from .. import accuracy, pairing
-from ..contract import bits
+from .. import pairing
+from ..compare import assert_bitwise, assert_undone, assert_within
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, small
@@ -189,18 +189,6 @@ def rotated(fn, caps, plan, change=None) -> dict:
     return {n: CONVENTION.read(case, n, case.args[n]).clone() for n in ("query", "key") if case.args[n] is not None}
 
 
-def assert_same(what, got, want):
-    """Bitwise equal (NaN payloads and signed zeros included)."""
-    got, want = got.detach().cpu(), want.detach().cpu()
-    assert got.shape == want.shape and got.dtype == want.dtype, \
-        f"{what}: {tuple(got.shape)} {got.dtype} against {tuple(want.shape)} {want.dtype}"
-    bad = bits(got) != bits(want)
-    if bad.any():
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements differ; first at {idx}: "
-                             f"{got[idx].item()!r} against {want[idx].item()!r}")
-
-
 def plain(plan, **changes):
     """The plan in separate, contiguous buffers (for calls whose forms or shapes differ)."""
     plan = plan._replace(**changes)
@@ -216,7 +204,7 @@ def flat_equals_heads(conv, fn, caps, plan):
     flat = rotated(fn, caps, plain(plan, q_heads_dim=False, k_heads_dim=False))
     heads = rotated(fn, caps, plain(plan, q_heads_dim=True, k_heads_dim=True))
     for n in flat:
-        assert_same(f"{n} as [..., h * d] against [..., h, d]", flat[n], heads[n])
+        assert_bitwise(f"{n} as [..., h * d] against [..., h, d]", flat[n], heads[n])
 
 
 def batched_positions_equal_flat(conv, fn, caps, plan):
@@ -227,7 +215,7 @@ def batched_positions_equal_flat(conv, fn, caps, plan):
     batched = rotated(fn, caps, plain(plan, lead=lead, packed=False))
     flat = rotated(fn, caps, plain(plan, lead=(lead[0] * lead[1],), packed=False))
     for n in flat:
-        assert_same(f"{n} with positions {list(lead)} against [{lead[0] * lead[1]}]", batched[n], flat[n])
+        assert_bitwise(f"{n} with positions {list(lead)} against [{lead[0] * lead[1]}]", batched[n], flat[n])
 
 
 def key_none_leaves_query(conv, fn, caps, plan):
@@ -237,7 +225,7 @@ def key_none_leaves_query(conv, fn, caps, plan):
     with_key = plan._replace(packed=False, hk=plan.hk or plan.hq)
     alone = rotated(fn, caps, with_key._replace(hk=0))
     both = rotated(fn, caps, with_key)
-    assert_same("query with key=None against with a key", alone["query"], both["query"])
+    assert_bitwise("query with key=None against with a key", alone["query"], both["query"])
 
 
 def query_key_independent(conv, fn, caps, plan):
@@ -253,8 +241,8 @@ def query_key_independent(conv, fn, caps, plan):
         return change
 
     base = rotated(fn, caps, plan)
-    assert_same("query after other key values", rotated(fn, caps, plan, redraw("key"))["query"], base["query"])
-    assert_same("key after other query values", rotated(fn, caps, plan, redraw("query"))["key"], base["key"])
+    assert_bitwise("query after other key values", rotated(fn, caps, plan, redraw("key"))["query"], base["query"])
+    assert_bitwise("key after other query values", rotated(fn, caps, plan, redraw("query"))["key"], base["key"])
 
 
 def inverse(conv, fn, caps, plan):
@@ -269,20 +257,9 @@ def inverse(conv, fn, caps, plan):
         case.call(fn)
         case.args["cos_sin_cache"] = torch.cat([cache[:, :half], -cache[:, half:]], dim=-1)
         case.call(fn)
-    model = caps.get("accuracy", "float32")
-    per_call = (accuracy.EPS[plan.dtype] + accuracy.F32_EVAL) if model == "float32" else 2 * accuracy.EPS[plan.dtype]
     for n in names:
-        x0 = before[n].cpu()
-        back = conv.read(case, n, case.args[n]).cpu()
-        s = pairing.pair_scale(x0, plan.rot, not plan.is_neox)
-        tol = 4 * per_call * s + 2 * accuracy.EPS[plan.cache_dtype] * s + 4 * accuracy.ETA[plan.dtype]
-        bad = ~((back.double() - x0.double()).abs() <= tol)
-        bad[..., plan.rot:] = bits(back[..., plan.rot:]) != bits(x0[..., plan.rot:])
-        if bad.any():
-            idx = tuple(int(i) for i in bad.nonzero()[0])
-            raise AssertionError(f"inverse: {n}: the call with -sin does not undo the call: {int(bad.sum())} of "
-                                 f"{bad.numel()} elements; first at {idx}: {back[idx].item()!r}, was "
-                                 f"{x0[idx].item()!r} (tolerance {tol[idx].item():.3g})")
+        assert_undone(f"inverse: {n}", conv.read(case, n, case.args[n]), before[n], plan.rot, not plan.is_neox,
+                      plan.cache_dtype, caps.get("accuracy", "float32"))
 
 
 def is_neox_moves_channels(conv, fn, caps, plan):
@@ -302,17 +279,10 @@ def is_neox_moves_channels(conv, fn, caps, plan):
 
     want = rotated(fn, caps, plan._replace(is_neox=True))
     got = rotated(fn, caps, plan._replace(is_neox=False), rearrange)
-    model = caps.get("accuracy", "float32")
     for n in want:
-        g, w = got[n][..., neox.to(got[n].device)].cpu(), want[n].cpu()
-        tol = 3 * accuracy.bound(w.double(), pairing.pair_scale(w, plan.rot, False), w.dtype, model)
-        bad = ~((g.double() - w.double()).abs() <= tol)
-        bad[..., plan.rot:] = bits(g[..., plan.rot:]) != bits(w[..., plan.rot:])
-        if bad.any():
-            idx = tuple(int(i) for i in bad.nonzero()[0])
-            raise AssertionError(f"{n}: is_neox=False on rearranged channels against is_neox=True: {int(bad.sum())} "
-                                 f"of {bad.numel()} elements differ; first at {idx}: {g[idx].item()!r} against "
-                                 f"{w[idx].item()!r}")
+        assert_within(f"{n}: is_neox=False on rearranged channels against is_neox=True",
+                      got[n][..., neox.to(got[n].device)], want[n], want[n], plan.rot, False, 3,
+                      caps.get("accuracy", "float32"))
 
 
 VLLM.INVARIANTS = {

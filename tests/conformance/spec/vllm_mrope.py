@@ -18,11 +18,12 @@ import torch
 from hypothesis import strategies as st
 
 from .. import pairing
+from ..compare import assert_bitwise, assert_within
 from ..contract import Returned
 from ..run import inputs64, make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, small
-from .hf_mrope import assert_same, assert_within, other_sections, sections, select, stream_of_pair
+from .hf_mrope import other_sections, sections, select, stream_of_pair
 
 
 class Plan(NamedTuple):
@@ -190,7 +191,7 @@ def text_positions(conv, fn, caps, plan):
     a = results(fresh(case, positions=one.contiguous()), fn)
     b = results(fresh(case, positions=one.expand(3, -1).contiguous()), fn)
     for n in a:
-        assert_same(f"positions [T] vs [3, T] of equal rows: {n}", a[n], b[n])
+        assert_bitwise(f"positions [T] vs [3, T] of equal rows: {n}", a[n], b[n])
 
 
 def equal_streams(conv, fn, caps, plan):
@@ -209,7 +210,7 @@ def equal_streams(conv, fn, caps, plan):
     rows = x64["cos_sin_cache"][x64["positions"][0]]
     cos, sin = (pairing.per_channel(t, not p.is_neox).unsqueeze(-2) for t in (rows[..., :half], rows[..., half:]))
     for n in got:
-        assert_same(f"equal streams, sections {list(p.section)} vs {other}: {n}", again[n], got[n])
+        assert_bitwise(f"equal streams, sections {list(p.section)} vs {other}: {n}", again[n], got[n])
         x = x64[n].reshape(p.tokens, -1, p.head_size)
         assert_within(f"equal streams vs plain RoPE: {n}", got[n], pairing.rotate(x, cos, sin, not p.is_neox), x,
                       p.rot, not p.is_neox, 1, caps.get("accuracy", "float32"))
@@ -222,10 +223,10 @@ def key_none(conv, fn, caps, plan):
         return
     both = results(case, fn)
     alone = results(fresh(case, key=None), fn)
-    assert_same("query with key=None vs with a key", alone["query"], both["query"])
+    assert_bitwise("query with key=None vs with a key", alone["query"], both["query"])
     other = torch.randn(case.args["query"].shape, generator=torch.Generator().manual_seed(plan.seed + 5))
     moved = results(fresh(case, query=other.to(case.args["query"].dtype).to(case.args["query"].device)), fn)
-    assert_same("key independent of query", moved["key"], both["key"])
+    assert_bitwise("key independent of query", moved["key"], both["key"])
 
 
 def is_neox_equivalent(conv, fn, caps, plan):
@@ -248,7 +249,7 @@ def is_neox_equivalent(conv, fn, caps, plan):
     gptj = {n: arranged(case.args[n], to_gptj) for n in ("query", "key") if case.args[n] is not None}
     gptj_out = results(fresh(base, is_neox=False, **gptj), fn)
     for n in neox_out:
-        assert_same(f"is_neox=False on rearranged channels (rot {p.rot} of {p.head_size}, {half} pairs): {n}",
+        assert_bitwise(f"is_neox=False on rearranged channels (rot {p.rot} of {p.head_size}, {half} pairs): {n}",
                     gptj_out[n][..., neox.to(gptj_out[n].device)], neox_out[n])
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from . import per_channel, rotate_half
+
 
 def token_rows(x, seqlen_offsets, cu_seqlens, restart=True, first_offset_only=False):
     """The table row of every token: [b, s], or [total] with cu_seqlens (int64)."""
@@ -19,17 +21,6 @@ def token_rows(x, seqlen_offsets, cu_seqlens, restart=True, first_offset_only=Fa
     seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=x.device), cu[1:] - cu[:-1])
     rows = torch.arange(len(seq), device=x.device) - (cu[seq] if restart else 0)
     return rows + (offsets[seq] if isinstance(offsets, torch.Tensor) else offsets)
-
-
-def rotate_half(x, interleaved):
-    if interleaved:
-        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def per_channel(half, interleaved):
-    return half.repeat_interleave(2, dim=-1) if interleaved else torch.cat([half, half], dim=-1)
 
 
 def rotated(x, cos, sin, rows, interleaved, math_dtype=torch.float32, sign=1.0):

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import torch
 
-
-def rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+from . import rotate_half
 
 
 def _embed(x, cos, sin, out_dtype, math_dtype=torch.float32):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .hf import _embed
+from .hf import _SignFlippedBackward as _SelfAdjoint
 
 
 def select_sections(cos, mrope_section):
@@ -86,19 +87,6 @@ def unsqueeze_dim_ignored(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
 
     qo, ko = correct(as_bhsd(q), as_bhsd(k), cos, sin, mrope_section, 1)
     return qo.reshape(q.shape), ko.reshape(k.shape)
-
-
-class _SelfAdjoint(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        ctx.x_dtype = x.dtype
-        return _embed(x, cos, sin, torch.promote_types(x.dtype, cos.dtype))
-
-    @staticmethod
-    def backward(ctx, g):
-        cos, sin = ctx.saved_tensors
-        return _embed(g, cos, sin, ctx.x_dtype), None, None  # R, not its transpose
 
 
 def backward_not_transposed(q, k, cos, sin, mrope_section, unsqueeze_dim=1):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from . import rotate_half
+
 
 def positions(s, b, start_positions, cp_size, cp_rank, device, second_chunk=None):
     """[b, s] int64 positions: the dual-chunk layout of cp_rank, then each sequence's start. `second_chunk`
@@ -14,13 +16,6 @@ def positions(s, b, start_positions, cp_size, cp_rank, device, second_chunk=None
         j = torch.where(j < c, j + cp_rank * c, j - c + second * c)
     pos = j[None, :].expand(b, s)
     return pos if start_positions is None else pos + start_positions.long()[:, None]
-
-
-def rotate_half(x, interleaved):
-    if interleaved:
-        return torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def rotate(x, freqs, pos, tensor_format, interleaved, math=torch.float32):

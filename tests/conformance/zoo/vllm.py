@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from . import per_channel, rotate_half
+
 
 def storage_of(x):
     """x's whole storage as a 1-D tensor of x's dtype (reads and writes go to x's memory)."""
@@ -32,17 +34,6 @@ def addressed(x, lead_ndim, head_size, strides=None, extra_heads=0):
     idx = (x.storage_offset() + torch.arange(tokens, device=dev)[:, None, None] * tok
            + torch.arange(heads, device=dev)[None, :, None] * head + torch.arange(head_size, device=dev) * chan)
     return storage_of(x), idx
-
-
-def rotate_half(x, interleaved):
-    if interleaved:
-        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def per_channel(half, interleaved):
-    return half.repeat_interleave(2, dim=-1) if interleaved else torch.cat([half, half], dim=-1)
 
 
 def tables(pos, cache, table_interleaved, math_dtype=torch.float32):
