@@ -38,6 +38,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from tests.conformance.positions import token_positions  # noqa: F401 - the adapters' positions
+
 FORMATS = ("sbhd", "bshd", "thd")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CONVENTIONS = ("te", "flash", "liger", "hf", "vllm")
@@ -308,33 +310,6 @@ def te_via_mrope(mrope_fn: Callable) -> Callable:
 # ----------------------------------------------------------------------------------------------
 # Positions (docs/contract.md section 3), for conventions that take cos/sin per token
 # ----------------------------------------------------------------------------------------------
-
-def token_positions(t_shape, tensor_format, start_positions=None, cu_seqlens=None, cp_size=1, cp_rank=0,
-                    device=None) -> torch.Tensor:
-    """int64 positions: [b, s] for sbhd/bshd (batch-major whatever the format), [T] for thd.
-
-    Written from the contract, independently of the package under test: position j of a local sequence of L
-    tokens, mapped by the dual-chunk layout when cp_size > 1, then shifted by start_positions[sequence].
-    """
-    if tensor_format == "thd":
-        T = t_shape[0]
-        local = cu_seqlens.detach().to("cpu", torch.int64) // cp_size
-        x = torch.arange(T, dtype=torch.int64)
-        seq = torch.searchsorted(local, x, right=True) - 1  # the last sequence starting at or before x
-        j = x - local[seq]
-        length = local[seq + 1] - local[seq]
-    else:
-        s, b = (t_shape[0], t_shape[1]) if tensor_format == "sbhd" else (t_shape[1], t_shape[0])
-        j = torch.arange(s, dtype=torch.int64)[None, :].expand(b, s)
-        seq = torch.arange(b, dtype=torch.int64)[:, None].expand(b, s)
-        length = torch.full_like(j, s)
-    if cp_size > 1:
-        c = length // 2
-        j = torch.where(j < c, j + cp_rank * c, j - c + (2 * cp_size - 1 - cp_rank) * c)
-    if start_positions is not None:
-        j = j + start_positions.detach().to("cpu", torch.int64)[seq]
-    return j.contiguous().to(device)
-
 
 def angles(freqs: torch.Tensor) -> torch.Tensor:
     """[s2, d2] float32 angles out of TE's [s2, 1, 1, d2]."""

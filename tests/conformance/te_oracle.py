@@ -7,9 +7,8 @@ against it; it is differentiable in t.
 """
 from __future__ import annotations
 
-from tests.adapters import token_positions
-
 from .pairing import rotate
+from .positions import token_positions
 
 
 def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False, fused=True,

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from .. import pairing
 from ..compare import assert_bitwise
 from ..contract import Returned
+from ..positions import token_positions
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, small
@@ -55,15 +56,10 @@ class Plan(NamedTuple):
     freqs_layout: Layout
 
 
-def token_positions(p: Plan, start) -> torch.Tensor:
+def positions_of(p: Plan, start) -> torch.Tensor:
     """[b, s] int64: position j of the rank's part of a sequence, mapped by the dual-chunk layout, then shifted by
     the sequence's start."""
-    j = torch.arange(p.s, dtype=torch.int64)
-    if p.cp_size > 1:
-        c = p.s // 2
-        j = torch.where(j < c, j + p.cp_rank * c, j - c + (2 * p.cp_size - 1 - p.cp_rank) * c)
-    pos = j[None, :].expand(p.b, p.s)
-    return pos if start is None else pos + start.long().cpu()[:, None]
+    return token_positions((p.b, p.s), "bshd", start, None, p.cp_size, p.cp_rank)
 
 
 def split(p: Plan, qkv):
@@ -137,7 +133,7 @@ class TEQKV(Convention):
         shape = (p.s, p.b, p.h, width) if p.tensor_format == "sbhd" else (p.b, p.s, p.h, width)
         qkv = arena.randn(shape, p.dtype, p.qkv_layout)
         start = arena.integers(0, 4, (p.b,)) if p.start_dtype is not None else None
-        last = int(token_positions(p, start).max())  # freqs must reach every position
+        last = int(positions_of(p, start).max())  # freqs must reach every position
         args = dict(qkv=qkv, q_freqs=self.freqs(p, arena, last + 1 + p.q_rows),
                     k_freqs=self.freqs(p, arena, last + 1 + p.k_rows),
                     qkv_split_arg_list=[p.groups * p.nk, p.nk, p.nv], tensor_format=p.tensor_format)
@@ -154,7 +150,7 @@ class TEQKV(Convention):
     def define(self, case, x64):
         p = case.plan
         q, k, v = split(p, x64["qkv"])
-        pos = token_positions(p, x64.get("start_positions"))
+        pos = positions_of(p, x64.get("start_positions"))
         out = {}
         for name, x in (("q", q), ("k", k)):
             theta = x64[f"{name}_freqs"][:, 0, 0, :].float().double()[pos]  # read as float32; [b, s, d2]
