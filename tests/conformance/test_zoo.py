@@ -8,6 +8,10 @@ combination (a 16-bit dtype with an odd layout) is still drawn.
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -16,6 +20,7 @@ from hypothesis import strategies as st
 from . import run, spec
 
 ZOO_EXAMPLES = 150
+ROOT = Path(__file__).resolve().parents[2]
 PROPERTIES = {"forward": run.forward, "backward": run.backward}
 
 
@@ -81,3 +86,27 @@ def test_correct_passes(name, prop):
 def test_zoo_is_complete(name):
     """At least six planted bugs per convention."""
     assert len(zoo(name).BUGS) >= 6, f"{name}: {len(zoo(name).BUGS)} planted bugs"
+
+
+def _first_forward_bug(name):
+    return next(bug for bug, (_, props) in zoo(name).BUGS.items() if "forward" in props)
+
+
+@pytest.mark.parametrize("name", list(zoo_modules()))
+def test_through_rope_impl(name):
+    """As a user runs it: `pytest --rope-impl CONVENTION:module:callable` fails on a planted bug (exit status 1, the
+    forward property failed) and passes the correct implementation (exit status 0), in a pytest of its own."""
+    module = f"{__package__}.zoo.{name.replace('-', '_')}"
+    node = f"{Path(__file__).relative_to(ROOT).parent}/test_native.py::test_forward[{name}]"
+    env = {**os.environ, "ROPE_MAX_EXAMPLES": "40"}
+
+    def run(fn_name):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                                f"--rope-impl={name}:{module}:{fn_name}", node], cwd=ROOT, capture_output=True,
+                               text=True, env=env, timeout=300)
+
+    bug = _first_forward_bug(name)
+    broken = run(bug)
+    assert broken.returncode == 1 and "1 failed" in broken.stdout, f"{name}: {bug} was not caught:\n{broken.stdout}"
+    correct = run(zoo(name).CORRECT.__name__)
+    assert correct.returncode == 0 and "1 passed" in correct.stdout, f"{name}: correct failed:\n{correct.stdout}"
