@@ -329,11 +329,14 @@ def run(plan: Plan, pointers: tuple):
         plan.compiled = compiled
 
 
-def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None, pos_strides=(0, 1, 0)) -> Plan:
-    """The call's plan for x (with `k`: q = x and k in one launch), made on first use."""
+def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None, pos_strides=(0, 1, 0),
+             index_key=(None, None)) -> Plan:
+    """The call's plan for x (with `k`: q = x and k in one launch), made on first use. `index_key`: the dtypes
+    and 16-byte alignment of start_positions and of the token index or positions, which Triton specializes on
+    like every pointer (a kernel compiled for int32 positions reads int64 ones as pairs of int32)."""
     # The call's key fixes x's strides where x is its own tensor (forward, the custom op), not a gradient.
     key = (backward, inplace, pos_table, pos_strides, x.stride() if backward or k is not None else None,
-           x.data_ptr() % 16, angles.key())
+           x.data_ptr() % 16, angles.key(), index_key)
     if k is not None:
         key += (k.shape, k.stride(), k.data_ptr() % 16)
     plan = call.plans.get(key)
@@ -373,6 +376,12 @@ def _pointers(angles, start_positions, token_index):
         token_index if token_index is not None else cos
 
 
+def _index_key(start_positions, token_index) -> tuple:
+    """What Triton specializes on in the index pointers: their dtypes and 16-byte alignment."""
+    return (None if start_positions is None else (start_positions.dtype, start_positions.data_ptr() % 16),
+            None if token_index is None else (token_index.dtype, token_index.data_ptr() % 16))
+
+
 def _pos_strides(positions) -> tuple:
     """(stream, s, b) strides of positions [T] (one stream, thd or s), or [streams, s, b] in kernel roles."""
     st = positions.stride()
@@ -385,7 +394,7 @@ def rotate(call, x, angles, start_positions, token_index, backward, inplace=Fals
     if call.empty:
         return x if inplace else empty(x)
     plan = plan_for(call, x, angles, backward, inplace, pos_table, None,
-                    _pos_strides(token_index) if pos_table else (0, 1, 0))
+                    _pos_strides(token_index) if pos_table else (0, 1, 0), _index_key(start_positions, token_index))
     out = x if inplace else empty(x, plan.dense[0])
     run(plan, (x, out, *_pointers(angles, start_positions, token_index)))
     return out
@@ -396,7 +405,7 @@ def rotate_qk(call, q, k, angles, start_positions, token_index, backward, inplac
     if not (q.numel() or k.numel()):
         return (q, k) if inplace else (empty(q), empty(k))
     plan = plan_for(call, q, angles, backward, inplace, pos_table, k,
-                    _pos_strides(token_index) if pos_table else (0, 1, 0))
+                    _pos_strides(token_index) if pos_table else (0, 1, 0), _index_key(start_positions, token_index))
     qo = q if inplace else empty(q, plan.dense[0])
     ko = k if inplace else empty(k, plan.dense[1])
     run(plan, (q, qo, k, ko, *_pointers(angles, start_positions, token_index)))
