@@ -17,10 +17,12 @@ def storage_of(x):
 
 
 def strides_of(x, lead_ndim, head_size):
-    """(token, head, channel) strides as vLLM takes them: the token stride of the last positions dim, the head
-    stride of [..., h, d] or head_size (times the channel stride) for [..., h * d]."""
+    """(token, head, channel) strides: the token stride of the innermost positions dim that has more than one
+    token (a dim of size 1 may carry any stride), the head stride of [..., h, d] or head_size (times the channel
+    stride) for [..., h * d]."""
     heads_dim = x.dim() == lead_ndim + 2
-    return x.stride(lead_ndim - 1), x.stride(-2) if heads_dim else head_size * x.stride(-1), x.stride(-1)
+    tok = next((x.stride(i) for i in reversed(range(lead_ndim)) if x.shape[i] > 1), 0)
+    return tok, x.stride(-2) if heads_dim else head_size * x.stride(-1), x.stride(-1)
 
 
 def addressed(x, lead_ndim, head_size, strides=None, extra_heads=0):
