@@ -1,0 +1,137 @@
+"""Stress run: threads x CUDA streams x drawn calls of every convention an implementation has, each call checked
+as the native properties check it (run.forward, run.backward: the float64 oracle and the side-effect contract).
+
+    python -m tests.conformance.stress [--impl rope] [--calls 3000] [--threads 8] [--seconds S] [--json PATH]
+
+The calls are drawn first (each convention's own strategy, its capabilities as declared), then shuffled and
+run by `--threads` threads, each on a CUDA stream of its own (on a CPU, the current stream): the launcher's
+caches, the tables and the plans are shared by all of them while they run. Reports per convention the calls,
+the wrong results (a check failed: must be 0), the errors (anything else raised) and the device memory held
+before and after (growth: what the caches kept). `--seconds`: no call starts after that time, so that a run
+under a time limit still reports (the calls not run are counted as such). Exit status 1 if any call was wrong or
+raised.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import queue
+import random
+import sys
+import threading
+import time
+import warnings
+from collections import Counter
+
+import torch
+
+from . import registry, run, spec
+
+
+def draw_jobs(native, calls: int, seed: int) -> list:
+    """(convention, property, plan) triples, `calls` in all, spread evenly over the conventions."""
+    names = list(native.fns)
+    rnd = random.Random(seed)
+    jobs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Hypothesis' .example() warns that it is not for tests: here it draws
+        for i in range(calls):
+            name = names[i % len(names)]
+            conv = spec.load(name)
+            caps = conv.caps(native.caps.get(name))
+            prop = "backward" if conv.DIFFERENTIABLE and caps.get("backward", True) and rnd.random() < 0.3 \
+                else "forward"
+            jobs.append((name, prop, conv.plans(caps).example()))
+    rnd.shuffle(jobs)
+    return jobs
+
+
+def memory() -> int:
+    if not torch.cuda.is_available():
+        return 0
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def stress(impl: str, calls: int, threads: int, seed: int = 0, seconds: float = float("inf")) -> dict:
+    native = registry.resolve(impl)
+    if not native.fns:
+        raise SystemExit(f"--impl {impl}: no native convention")
+    jobs = draw_jobs(native, calls, seed)
+    work: queue.Queue = queue.Queue()
+    for job in jobs:
+        work.put(job)
+    counts = {name: Counter() for name in native.fns}
+    failures: list = []
+    lock = threading.Lock()
+
+    def worker():
+        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            while time.perf_counter() - start < seconds:
+                try:
+                    name, prop, plan = work.get_nowait()
+                except queue.Empty:
+                    return
+                conv = spec.load(name)
+                caps = conv.caps(native.caps.get(name))
+                try:
+                    getattr(run, prop)(conv, native.fns[name], caps, plan)
+                    verdict = "ok"
+                except AssertionError as e:
+                    verdict = "wrong"
+                    with lock:
+                        failures.append(f"{name} {prop}: {str(e).splitlines()[0][:300]} :: {plan}")
+                except Exception as e:  # noqa: BLE001 - counted and reported: the run must show every fault
+                    verdict = "error"
+                    with lock:
+                        failures.append(f"{name} {prop}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                with lock:
+                    counts[name][verdict] += 1
+
+    before = memory()
+    start = time.perf_counter()
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - start
+    after = memory()
+    done = sum(sum(c.values()) for c in counts.values())
+    return {"impl": impl, "calls": done, "not_run": calls - done, "threads": threads, "seconds": round(elapsed, 1),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "memory_before": before, "memory_after": after,
+            "max_memory": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
+            "per_convention": {n: dict(c) for n, c in counts.items()}, "failures": failures[:50]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", default="rope")
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seconds", type=float, default=float("inf"), help="start no call after this many seconds")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    report = stress(args.impl, args.calls, args.threads, args.seed, args.seconds)
+    for name, c in report["per_convention"].items():
+        print(f"{name:15s} {sum(c.values()):6d} calls  {c.get('wrong', 0):4d} wrong  {c.get('error', 0):4d} errors")
+    print(f"{report['calls']} calls ({report['not_run']} not run) on {report['threads']} threads in "
+          f"{report['seconds']} s ({report['device']}); "
+          f"device memory {report['memory_before']} -> {report['memory_after']} bytes, peak {report['max_memory']}")
+    for line in report["failures"]:
+        print("  " + line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    bad = sum(c.get("wrong", 0) + c.get("error", 0) for c in report["per_convention"].values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
