@@ -73,8 +73,8 @@ class Snapshot:
 
 
 def check_returned(result, promised, args: dict, buffers) -> dict:
-    """The call's result against the promise (a tuple of Returned, a single Returned, or None); returns
-    {output name: tensor}, the outputs that were returned."""
+    """The call's result against the promise (a tuple of Returned or None per element, a single Returned, or
+    None for no result); returns {output name: tensor}, the outputs that were returned."""
     if promised is None:
         assert result is None, f"side effect: expected None (the result is written in place), got {type(result)}"
         return {}
@@ -86,6 +86,9 @@ def check_returned(result, promised, args: dict, buffers) -> dict:
             f"side effect: expected {len(items)} results, got {type(result).__name__}"
     out = {}
     for r, g in zip(items, got, strict=True):
+        if r is None:  # an element the convention returns as None (vLLM's key when key is None)
+            assert g is None, f"side effect: expected None in place of a missing tensor, got {type(g).__name__}"
+            continue
         assert isinstance(g, torch.Tensor), f"side effect: {r.name}: expected a tensor, got {type(g).__name__}"
         if r.arg is not None and r.same == "memory":
             got = "another view of it" if same_storage(g, args[r.arg]) else "a new tensor"

@@ -41,7 +41,7 @@ def outputs(conv, case, result, x64=None):
     (x64: the arguments as they were, to tell)."""
     writes, promise = conv.effects(case)
     got = check_returned(result, promise, case.args, case.buffers)
-    may = [r for r in ((promise,) if isinstance(promise, Returned) else promise or ()) if r.arg and not r.same]
+    may = [r for r in ((promise,) if isinstance(promise, Returned) else promise or ()) if r and r.arg and not r.same]
     for r in may if x64 is not None else ():
         arg = case.args[r.arg]
         if not torch.equal(arg.detach().cpu().double(), x64[r.arg].detach()):

@@ -49,20 +49,6 @@ class Plan(NamedTuple):
     positions_layout: Layout
 
 
-class VLLMCase(Case):
-    """vLLM returns (query, None) when key is None: the call's result is checked for that None here, and
-    handed on as (query,), so that the side-effect contract (which holds tensors) checks what remains."""
-
-    def call(self, fn):
-        result = super().call(fn)
-        if self.args["key"] is None:
-            assert isinstance(result, (tuple, list)) and len(result) == 2, \
-                f"expected (query, None) with key None, got {type(result).__name__}"
-            assert result[1] is None, f"key is None: expected None as the second result, got {type(result[1])}"
-            return (result[0],)
-        return result
-
-
 class VLLMMRoPE(Convention):
     NAME = "vllm-mrope"
     SIGNATURE = ("positions", "query", "key", "head_size", "cos_sin_cache", "mrope_section", "is_neox",
@@ -131,13 +117,14 @@ class VLLMMRoPE(Convention):
         positions = arena.place(arena.integers(0, p.rows, shape, p.positions_dtype), layout)
         args = dict(positions=positions, query=query, key=key, head_size=p.head_size, cos_sin_cache=cache,
                     mrope_section=list(p.section), is_neox=p.is_neox, mrope_interleaved=p.mrope_interleaved)
-        return VLLMCase(p, args, 6, arena.buffers)
+        return Case(p, args, 6, arena.buffers)
 
     def effects(self, case):
+        """(query, key) returned: in place the arguments themselves, else new tensors; None for a key of None."""
         names = ("query",) if case.args["key"] is None else ("query", "key")
-        if case.caps.get("in_place", True):
-            return names, tuple(Returned(n, n) for n in names)
-        return (), tuple(Returned(n) for n in names)
+        in_place = case.caps.get("in_place", True)
+        returned = tuple(Returned(n, n) if in_place else Returned(n) for n in names)
+        return (names if in_place else ()), returned + ((None,) if case.args["key"] is None else ())
 
     def read(self, case, name, t):
         return t.reshape(case.plan.tokens, -1, case.plan.head_size)
@@ -169,16 +156,15 @@ class VLLMMRoPE(Convention):
 def fresh(case, **changes):
     """The case with new query and key (copies: an in-place target writes them), some arguments replaced."""
     args = {n: (v.detach().clone() if n in ("query", "key") and v is not None else v) for n, v in case.args.items()}
-    return VLLMCase(case.plan, {**args, **changes}, case.positional, case.buffers, case.info, case.caps)
+    return Case(case.plan, {**args, **changes}, case.positional, case.buffers, case.info, case.caps)
 
 
 def results(case, fn):
     """{name: result as [T, h, head_size]} of one call on copies of query and key."""
     with torch.no_grad():
         out = fresh(case).call(fn)
-    names = ("query",) if case.args["key"] is None else ("query", "key")
-    assert isinstance(out, (tuple, list)) and len(out) == len(names), "expected (query, key)"
-    return {n: CONVENTION.read(case, n, t) for n, t in zip(names, out, strict=True)}
+    assert isinstance(out, (tuple, list)) and len(out) == 2, "expected (query, key)"
+    return {n: CONVENTION.read(case, n, t) for n, t in zip(("query", "key"), out, strict=True) if t is not None}
 
 
 def text_positions(conv, fn, caps, plan):
