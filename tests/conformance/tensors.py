@@ -21,10 +21,6 @@ class Layout(NamedTuple):
     order: tuple  # the dims, outermost first, as they lie in memory (the last dim always last)
     pad: tuple  # extra elements per dim (logical order); the view sits after pad // 2 of them
 
-    @property
-    def plain(self) -> bool:
-        return self.order == tuple(range(len(self.order))) and not any(self.pad)
-
 
 def contiguous(ndim: int) -> Layout:
     return Layout(tuple(range(ndim)), (0,) * ndim)
@@ -77,7 +73,3 @@ class Arena:
 
 def seeds():
     return st.integers(0, 2**31 - 1)
-
-
-def dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from hypothesis import settings
 
 from ..tensors import DEVICE
 
@@ -40,7 +39,6 @@ class Case:
     args: dict  # name -> value, in the signature's order
     positional: int  # how many of args go positionally
     buffers: list = field(default_factory=list)
-    info: dict = field(default_factory=dict)  # what the oracle needs beyond the arguments
     caps: dict = field(default_factory=dict)  # the capabilities in force (set by the runner)
 
     def call(self, fn):
@@ -94,14 +92,6 @@ class Convention:
         e = expect[self.grad_of(case, arg)]
         scale = pairing.pair_scale(up64[self.grad_of(case, arg)], e.rot, e.interleaved)
         return scale.reshape(up64[self.grad_of(case, arg)].shape), pairing.copied_mask(scale.shape[-1], e.rot)
-
-
-def profile() -> str:
-    getter = getattr(settings, "get_current_profile_name", None)
-    name = getter() if getter else "default"
-    if name in ("cpu-interp", "gpu", "nightly"):
-        return name
-    return "gpu" if torch.cuda.is_available() else "cpu-interp"
 
 
 def small() -> bool:

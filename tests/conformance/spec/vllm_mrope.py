@@ -156,7 +156,7 @@ class VLLMMRoPE(Convention):
 def fresh(case, **changes):
     """The case with new query and key (copies: an in-place target writes them), some arguments replaced."""
     args = {n: (v.detach().clone() if n in ("query", "key") and v is not None else v) for n, v in case.args.items()}
-    return Case(case.plan, {**args, **changes}, case.positional, case.buffers, case.info, case.caps)
+    return Case(case.plan, {**args, **changes}, case.positional, case.buffers, case.caps)
 
 
 def results(case, fn):
