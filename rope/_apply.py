@@ -50,8 +50,13 @@ def apply(ts, call, angles, start_positions=None, token_index=None, pos_table=Fa
     return rotate_all(state, ts, False)
 
 
+def on_kernel_device(x: torch.Tensor) -> bool:
+    """The one rule for where the Triton kernel runs: a CUDA tensor, or a CPU one under TRITON_INTERPRET=1;
+    elsewhere the reference computes (every entry point asks this)."""
+    return x.is_cuda or (INTERPRET and x.is_cpu)
+
+
 def kernel_runs(x) -> bool:
-    """Whether the Triton kernel runs for x: a CUDA tensor, or a CPU one under TRITON_INTERPRET=1, outside
-    tracing (entry points other than TransformerEngine's trace as the reference's PyTorch operations)."""
-    return isinstance(x, torch.Tensor) and (x.is_cuda or (INTERPRET and x.is_cpu)) and \
-        not torch.compiler.is_compiling()
+    """Whether the kernel runs for x, outside tracing (entry points other than TransformerEngine's trace as the
+    reference's PyTorch operations; TE's has a custom op for the trace)."""
+    return isinstance(x, torch.Tensor) and on_kernel_device(x) and not torch.compiler.is_compiling()

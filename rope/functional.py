@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from . import _ops, reference
-from ._apply import _RoPEFunction, apply
-from ._launch import INTERPRET, angles_for, rotate, table_angles, token_index_for
+from ._apply import _RoPEFunction, apply, on_kernel_device
+from ._launch import angles_for, rotate, table_angles, token_index_for
 from ._validate import (
     check_bools,
     check_disjoint,
@@ -29,7 +29,9 @@ def _state(call, freqs, cache, start_positions, cu_seqlens, inplace):
 
 
 def _use_reference(fused, t) -> bool:
-    return not fused or (isinstance(t, torch.Tensor) and t.is_cpu and not INTERPRET)
+    """fused=False asks for the reference; otherwise `_apply.on_kernel_device` decides (a t that is no tensor
+    goes on to the kernel path's checks, which name it)."""
+    return not fused or (isinstance(t, torch.Tensor) and not on_kernel_device(t))
 
 
 def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,

@@ -230,12 +230,12 @@ CHECKS = {f"bad_input: {r.name}": (_rule_check(r), r.specs, []) for r in RULES}
 @contextlib.contextmanager
 def _path(reference_path: bool):
     """Within it (reference_path), CPU tensors take the reference, as without Triton's interpreter."""
-    import rope.functional
+    import rope._apply
 
     if not reference_path or DEVICE != "cpu":
         yield
         return
-    with mock.patch.object(rope.functional, "INTERPRET", False):
+    with mock.patch.object(rope._apply, "INTERPRET", False):
         yield
 
 

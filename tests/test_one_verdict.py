@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import rope
 import rope._apply
+import rope._launch
 import rope.functional
 
 from .cases import DEVICE
@@ -40,7 +41,7 @@ def reference_path(on: bool):
     if not on or DEVICE != "cpu":
         yield
         return
-    with mock.patch.object(rope.functional, "INTERPRET", False), mock.patch.object(rope._apply, "INTERPRET", False):
+    with mock.patch.object(rope._apply, "INTERPRET", False):
         yield
 
 
@@ -310,3 +311,16 @@ EXAMPLES = [(n, c, checks) for n in ENTRIES for c in CHANGES if _applies(c, ENTR
                                                                for n, c, k in EXAMPLES])
 def test_one_verdict_examples(name, change, checks):
     check_one_verdict(name, change, 7, "no", checks)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the kernel path is the only one")
+@pytest.mark.parametrize("name", list(ENTRIES))
+@pytest.mark.parametrize("on_reference", [True, False])
+def test_one_switch_decides_every_entry_point(name, on_reference):
+    """One rule (rope._apply.on_kernel_device) decides kernel or reference for every entry point: with it saying
+    reference, no entry point launches; with it saying kernel, each one does."""
+    built = build(name, "none", 3, None, True)
+    with reference_path(on_reference), mock.patch.object(rope._launch, "run", wraps=rope._launch.run) as launches:
+        ENTRIES[name].fn(**built.kwargs)
+    assert bool(launches.call_count) is not on_reference, \
+        f"{name}: {launches.call_count} launches with the reference path {'on' if on_reference else 'off'}"

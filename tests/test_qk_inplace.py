@@ -255,7 +255,7 @@ def reference_path(on: bool):
     if not on or DEVICE != "cpu":
         yield
         return
-    with mock.patch.object(rope.functional, "INTERPRET", False), mock.patch.object(rope._apply, "INTERPRET", False):
+    with mock.patch.object(rope._apply, "INTERPRET", False):
         yield
 
 
