@@ -1,0 +1,112 @@
+"""torchtitan's conventions (torchtitan/models/common/rope.py at pytorch/torchtitan
+b5bcd76c66d0acb1a08b176d9639425bc55e0b2a): query [T, N, H] and key [T, N_k, H], tokens first (the batch
+folded into T), a cache of every position, and optional `positions` [T] gathering one row per token.
+
+    complex_rope(query, key, cache, positions=None)   ComplexRoPE.forward: cache complex64 [rows, H/2] (its
+                                                      `cache` buffer), pairs (2i, 2i + 1) times cache[p, i]
+    cossin_rope(query, key, cache, positions=None)    CosSinRoPE.forward: cache [rows, 2H] = cat(cos, sin), each
+                                                      full width, rotate_half pairs (i, i + H/2)
+    complex_apply_rotary_emb(query, key, rope_cache)  ComplexRoPE.apply_rotary_emb: rope_cache [T, 1, H/2]
+    cossin_apply_rotary_emb(query, key, rope_cache)   CosSinRoPE.apply_rotary_emb: rope_cache [T, 1, 2H]
+
+Token t reads row positions[t], or row t without positions. Math in float32, rounded once to each input's dtype
+(`type_as`). New tensors; the gradient flows to query and key. A torchtitan subclass takes the kernel with
+`apply_rotary_emb = staticmethod(rope.torchtitan.complex_apply_rotary_emb)`.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._apply import apply, kernel_runs
+from ._launch import Angles
+from ._validate import Call, Layout, call_for, check_positions_in, check_tables, check_token_positions
+from .meta import check_heads_pair, complex_tables
+
+_NAMES = ("query", "key")
+
+
+def complex_rope(query, key, cache, positions=None):
+    """`ComplexRoPE.forward` with the module's complex64 cache [rows, H/2] passed in."""
+    check_heads_pair(query, key, _NAMES, 3, "[T, N, H]")
+    return _complex(query, key, cache, positions, "cache")
+
+
+def cossin_rope(query, key, cache, positions=None):
+    """`CosSinRoPE.forward` with the module's cache [rows, 2H] (cos, then sin, full width) passed in."""
+    check_heads_pair(query, key, _NAMES, 3, "[T, N, H]")
+    return _cossin(query, key, cache, positions, "cache")
+
+
+def complex_apply_rotary_emb(query, key, rope_cache):
+    """`ComplexRoPE.apply_rotary_emb`: rope_cache complex64 [T, 1, H/2], already one row per token."""
+    check_heads_pair(query, key, _NAMES, 3, "[T, N, H]")
+    return _complex(query, key, _prepared(rope_cache, query, "[T, 1, H/2]"), None, "rope_cache")
+
+
+def cossin_apply_rotary_emb(query, key, rope_cache):
+    """`CosSinRoPE.apply_rotary_emb`: rope_cache [T, 1, 2H], already one row per token."""
+    check_heads_pair(query, key, _NAMES, 3, "[T, N, H]")
+    return _cossin(query, key, _prepared(rope_cache, query, "[T, 1, 2H]"), None, "rope_cache")
+
+
+def _complex(query, key, cache, positions, name):
+    cos, sin = complex_tables(cache, query, "query", name)
+    if cos.dim() != 2 or cos.shape[1] != query.shape[-1] // 2:
+        raise ValueError(f"{name}: expected shape [rows, H/2] with H/2 = {query.shape[-1] // 2}, got "
+                         f"{_shape(cache, name)}")
+    return _rotate(query, key, cos, sin, positions, True, name)
+
+
+def _cossin(query, key, cache, positions, name):
+    h = query.shape[-1]
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
+    if cache.dim() != 2 or cache.shape[1] != 2 * h:
+        raise ValueError(f"{name}: expected shape [rows, 2H] (cos, then sin) with 2H = {2 * h}, got "
+                         f"{_shape(cache, name)}")
+    cos, sin = cache[:, :h], cache[:, h:]
+    check_tables(cos, sin, query, "query", (name, name))
+    return _rotate(query, key, cos, sin, positions, False, name)
+
+
+def _prepared(rope_cache, query, shape: str):
+    """A prepared cache [T, 1, width] as the module's cache [T, width] (its rows read in order)."""
+    if not isinstance(rope_cache, torch.Tensor):
+        raise TypeError(f"rope_cache: expected a torch.Tensor, got {type(rope_cache).__name__}")
+    if rope_cache.dim() != 3 or rope_cache.shape[1] != 1 or rope_cache.shape[0] != query.shape[0]:
+        raise ValueError(f"rope_cache: expected shape {shape} with T = {query.shape[0]}, got "
+                         f"{tuple(rope_cache.shape)}")
+    return rope_cache[:, 0]
+
+
+def _shape(cache, name):
+    """The shape as the caller gave it: a prepared cache's [T, 1, width]."""
+    return tuple(cache.shape) if name == "cache" else (cache.shape[0], 1, *cache.shape[1:])
+
+
+def _rotate(query, key, cos, sin, positions, interleaved: bool, table: str):
+    """query and key rotated by rows of the tables cos/sin [rows, columns] (one per pair if interleaved, else one
+    per channel): row positions[t] for token t, or row t."""
+    t_len, n, h = query.shape
+    rows = cos.shape[0]
+    if positions is not None:
+        check_token_positions(positions, t_len, query, "query")
+        check_positions_in(positions, rows, table=table)
+    elif t_len > rows:
+        raise ValueError(f"{table}: too short: {t_len} tokens read rows 0 .. {t_len - 1}, got {rows} rows")
+    if not kernel_runs(query):
+        pos = torch.arange(t_len, device=query.device) if positions is None else positions.long()
+        full = [reference.full_width(tab, True) if interleaved else tab for tab in (cos, sin)]
+        c, s = (reference.rows_at(tab, pos).unsqueeze(-2) for tab in full)
+        return tuple(reference.rotate(x, c, s, interleaved) for x in (query, key))
+    angles = Angles(cos, sin, rows, cos.stride(0), 0, cos.stride(1), True, interleaved)
+    if positions is None:  # tokens as [s = T, b = 1]: token t reads row t
+        key_ = ("torchtitan", query.shape, query.stride(), query.dtype, query.device, key.shape[1], rows, interleaved)
+        call = call_for(key_, lambda: Call(Layout(t_len, 1, n, h, h, rows, 0), "sbhd", interleaved, None, None, 1, 0))
+        qo, ko = apply((query.unsqueeze(1), key.unsqueeze(1)), call, angles)
+        return qo.squeeze(1), ko.squeeze(1)
+    key_ = ("torchtitan-pos", query.shape, query.stride(), query.dtype, query.device, key.shape[1], rows, interleaved,
+            positions.dtype)
+    call = call_for(key_, lambda: Call(Layout(t_len, 1, n, h, h, rows, 0), "thd", interleaved, None, None, 1, 0))
+    return apply((query, key), call, angles, None, positions, True)
