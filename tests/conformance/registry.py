@@ -24,6 +24,8 @@ from . import spec
 NAMED = {
     "rope": {
         "hf": (("rope.hf:apply_rotary_pos_emb",), {}),
+        "hf-single": (("rope.hf:apply_rotary_pos_emb_single",), {}),
+        "hf-glm": (("rope.hf:apply_rotary_pos_emb_glm",), {}),
         "flash": (("rope.flash:apply_rotary_emb",), {}),
         "vllm": (("rope.vllm:rotary_embedding",), {}),
         "hf-mrope": (("rope.hf:apply_multimodal_rotary_pos_emb",), {}),
@@ -31,25 +33,39 @@ NAMED = {
         "vllm-mrope": (("rope.vllm:mrotary_embedding",), {}),
         "mrope": (("rope.mrope:apply_multimodal_rotary_pos_emb",), {}),
         "te-qkv": (("rope:apply_fused_qkv_rotary_pos_emb",), {}),
+        "meta": (("rope.meta:apply_rotary_emb",), {}),
+        "torchtitan-complex": (("rope.torchtitan:complex_rope",), {}),
+        "torchtitan-cossin": (("rope.torchtitan:cossin_rope",), {}),
     },
     # transformers evaluates its expression in the activations' dtype; 5.x has no position_ids parameter
+    # Llama's and Gemma's functions rotate the whole head (partial rotary is GPT-NeoX's, Phi's, Qwen3-Next's: run those
+    # as hf:transformers.models.qwen3_next.modeling_qwen3_next:apply_rotary_pos_emb)
     "hf": {"hf": (("transformers.models.llama.modeling_llama:apply_rotary_pos_emb",),
-                  {"accuracy": "dtype", "position_ids": False})},
+                  {"accuracy": "dtype", "position_ids": False, "partial": False}),
+           "hf-single": (("transformers.models.gemma4.modeling_gemma4:apply_rotary_pos_emb",
+                          "transformers.models.gemma3n.modeling_gemma3n:apply_rotary_pos_emb"),
+                         {"accuracy": "dtype", "partial": False}),
+           "hf-glm": (("transformers.models.glm.modeling_glm:apply_rotary_pos_emb",
+                       "transformers.models.glm4.modeling_glm4:apply_rotary_pos_emb"),
+                      {"accuracy": "dtype", "position_ids": False})},
     # flash-attention's Triton apply_rotary asserts the tables are in x's dtype
     "flash": {"flash": (("flash_attn.layers.rotary:apply_rotary_emb",), {"float32_tables": False})},
     "liger": {"liger": (("liger_kernel.transformers.rope:liger_rotary_pos_emb",), {})},
     # Liger's mRoPE kernel: transformers' signature, q and k written where laid out as a projection gives them,
     # the first half of each table read, math in the tables' dtype
     "liger-mrope": {"hf-mrope": (("liger_kernel.transformers.qwen2vl_mrope:liger_multimodal_rotary_pos_emb",),
-                                 {"in_place": True, "elementwise_tables": False, "accuracy": "dtype"})},
+                                 {"in_place": True, "elementwise_tables": False, "accuracy": "dtype",
+                                  "partial": False})},
     # vLLM's CUDA op: the cache in query's dtype, contiguous cache rows and int64 positions, math in query's dtype
     "vllm": {"vllm": (("vllm._custom_ops:rotary_embedding",),
                       {"cache_dtypes": "query", "strided_cache": False, "strided_positions": False,
                        "int32_positions": False, "accuracy": "dtype"})},
-    # TE asserts contiguous qkv and freqs, and refuses start_positions with context parallelism
+    # TE asserts contiguous qkv and freqs, and refuses start_positions with context parallelism; its kernel reads
+    # start_positions as int32 and takes v's width as the head width of q and k (fused_rope.cu), neither checked
     "te": {"te-qkv": (("transformer_engine.pytorch.attention.rope:apply_fused_qkv_rotary_pos_emb",
                        "transformer_engine.pytorch.attention:apply_fused_qkv_rotary_pos_emb"),
-                      {"strides": False, "cp_start_positions": False})},
+                      {"strides": False, "cp_start_positions": False, "int64_start_positions": False,
+                       "v_width": False})},
 }
 OURS = ("rope", "rope:apply_rotary_pos_emb", "rope.functional:apply_rotary_pos_emb")
 

@@ -22,7 +22,9 @@ import torch
 
 from ..tensors import DEVICE
 
-NAMES = ("hf", "liger", "flash", "vllm", "hf-mrope", "vllm-mrope", "mrope", "qwen3vl-mrope", "te-qkv")
+NAMES = ("hf", "hf-single", "hf-glm", "liger", "flash", "vllm", "hf-mrope", "vllm-mrope", "mrope", "qwen3vl-mrope",
+         "te-qkv",
+         "meta", "torchtitan-complex", "torchtitan-cossin")
 
 
 class Expect(NamedTuple):

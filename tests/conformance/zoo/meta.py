@@ -1,0 +1,119 @@
+"""Meta's Llama convention (spec/meta.py): a correct implementation and planted bugs, each written in the
+convention's own complex arithmetic (view_as_complex pairs times freqs_cis)."""
+from __future__ import annotations
+
+import torch
+
+from . import rotate_half
+
+
+def broadcast(freqs_cis):
+    """freqs_cis [s, d/2] or [b or 1, s, d/2] -> [b or 1, s, 1, d/2], against x's [b, s, h, d/2] pairs."""
+    return (freqs_cis[None] if freqs_cis.dim() == 2 else freqs_cis).unsqueeze(2)
+
+
+def pairs(x, dtype=torch.float32):
+    """x's channels (2i, 2i + 1) as complex numbers (x converted to `dtype` first; contiguous, as view_as_complex
+    needs even strides and offsets, which a padded view may not have)."""
+    return torch.view_as_complex(x.to(dtype).contiguous().reshape(*x.shape[:-1], x.shape[-1] // 2, 2))
+
+
+def rotated(x, f, out_dtype=None):
+    return torch.view_as_real(pairs(x) * f).flatten(3).to(out_dtype or x.dtype)
+
+
+def correct(xq, xk, freqs_cis):
+    f = broadcast(freqs_cis)
+    return rotated(xq, f), rotated(xk, f)
+
+
+def half_split_pairs(xq, xk, freqs_cis):
+    """Pairs (i, i + d/2) (rotate_half, transformers' layout) instead of Meta's adjacent (2i, 2i + 1)."""
+    f = broadcast(freqs_cis)
+    c, s = (torch.cat([t, t], dim=-1) for t in (f.real, f.imag))
+    return tuple((x.float() * c + rotate_half(x.float()) * s).to(x.dtype) for x in (xq, xk))
+
+
+def conj_angle(xq, xk, freqs_cis):
+    """Multiplies by conj(freqs_cis): every pair rotated by -theta."""
+    f = broadcast(freqs_cis).conj()
+    return rotated(xq, f), rotated(xk, f)
+
+
+def k_first_batch_rows(xq, xk, freqs_cis):
+    """xk reads the rows of batch entry 0 for every entry (per-token freqs_cis broadcast as if shared)."""
+    f = broadcast(freqs_cis)
+    return rotated(xq, f), rotated(xk, f[:1])
+
+
+def per_token_ignored(xq, xk, freqs_cis):
+    """Per-token freqs_cis [b, s, d/2] read as one shared table (its first entry) for xq and xk."""
+    f = broadcast(freqs_cis)[:1]
+    return rotated(xq, f), rotated(xk, f)
+
+
+def k_not_rotated(xq, xk, freqs_cis):
+    """xk returned as a copy (only xq rotated)."""
+    return rotated(xq, broadcast(freqs_cis)), xk.clone()
+
+
+def result_float32(xq, xk, freqs_cis):
+    """The float32 product returned without type_as."""
+    f = broadcast(freqs_cis)
+    return rotated(xq, f, torch.float32), rotated(xk, f, torch.float32)
+
+
+def x_rounded_to_bf16(xq, xk, freqs_cis):
+    """x rounded to bfloat16 before the float32 product (a half-precision load)."""
+    f = broadcast(freqs_cis)
+    return tuple(torch.view_as_real(pairs(x.to(torch.bfloat16)) * f).flatten(3).to(x.dtype) for x in (xq, xk))
+
+
+def freqs_rounded_to_x_dtype(xq, xk, freqs_cis):
+    """cos and sin rounded to x's dtype before the product."""
+    parts = torch.view_as_real(freqs_cis).to(xq.dtype).float()
+    f = broadcast(torch.view_as_complex(parts.contiguous()))
+    return rotated(xq, f), rotated(xk, f)
+
+
+def sin_rows_shifted(xq, xk, freqs_cis):
+    """The imaginary parts read one position late (the last row kept): an off-by-one in the sin table's row."""
+    f = broadcast(freqs_cis)
+    if f.shape[1] > 1:
+        imag = torch.cat([f.imag[:, 1:], f.imag[:, -1:]], dim=1)
+        f = torch.complex(f.real, imag)
+    return rotated(xq, f), rotated(xk, f)
+
+
+class _NotConjugated(torch.autograd.Function):
+    """The backward multiplies the upstream gradient by freqs_cis instead of its conjugate."""
+
+    @staticmethod
+    def forward(ctx, x, f):
+        ctx.save_for_backward(f)
+        return rotated(x, f)
+
+    @staticmethod
+    def backward(ctx, g):
+        (f,) = ctx.saved_tensors
+        return rotated(g, f), None
+
+
+def backward_not_conjugated(xq, xk, freqs_cis):
+    f = broadcast(freqs_cis)
+    return _NotConjugated.apply(xq, f), _NotConjugated.apply(xk, f)
+
+
+CORRECT = correct
+BUGS = {
+    "half_split_pairs": (half_split_pairs, ("forward", "pair_norms")),
+    "conj_angle": (conj_angle, ("forward",)),
+    "k_first_batch_rows": (k_first_batch_rows, ("forward", "batch_entry_alone", "swap_q_k")),
+    "per_token_ignored": (per_token_ignored, ("forward", "batch_entry_alone")),
+    "k_not_rotated": (k_not_rotated, ("forward", "swap_q_k")),
+    "result_float32": (result_float32, ("forward",)),
+    "x_rounded_to_bf16": (x_rounded_to_bf16, ("forward",)),
+    "freqs_rounded_to_x_dtype": (freqs_rounded_to_x_dtype, ("forward",)),
+    "sin_rows_shifted": (sin_rows_shifted, ("forward", "pair_norms", "conj_undoes")),
+    "backward_not_conjugated": (backward_not_conjugated, ("backward",)),
+}
