@@ -69,6 +69,11 @@ def split(p: Plan, qkv):
     return q.reshape(*qkv.shape[:2], p.h * p.groups, p.nk), k, v
 
 
+def start_dtypes(caps) -> tuple:
+    """None (not passed) and the index dtypes the target takes for start_positions."""
+    return (None, torch.int32, torch.int64) if caps["int64_start_positions"] else (None, torch.int32)
+
+
 class TEQKV(Convention):
     NAME = "te-qkv"
     SIGNATURE = ("qkv", "q_freqs", "k_freqs", "qkv_split_arg_list", "tensor_format", "start_positions",
@@ -83,6 +88,8 @@ class TEQKV(Convention):
         "interleaved": (True, "interleaved (GPT-J) pairs"),
         "elementwise_freqs": (True, "angles that differ within a pair (freqs act channel by channel)"),
         "start_positions": (True, "start_positions, int32 or int64 [b]"),
+        "int64_start_positions": (True, "start_positions of dtype int64 (not only int32)"),
+        "v_width": (True, "v's head width nv other than k's nk"),
         "context_parallel": (True, "cp_size > 1: the dual-chunk positions of cp_rank"),
         "cp_start_positions": (True, "start_positions together with cp_size > 1 (TE's own function refuses it)"),
         "strides": (True, "qkv and the freqs as views (permuted, padded); TE's function needs them contiguous"),
@@ -103,14 +110,14 @@ class TEQKV(Convention):
                 s = 2 * max(1, s // 2)  # two chunks of s / 2 tokens
             nk = draw(st.sampled_from(lim["nk"]))
             d2 = draw(st.sampled_from(range(2, nk + 1, 2))) if caps["partial"] and draw(st.booleans()) else nk
-            start = draw(st.sampled_from((None, torch.int32, torch.int64))) if caps["start_positions"] else None
+            start = draw(st.sampled_from(start_dtypes(caps))) if caps["start_positions"] else None
             if cp_size > 1 and not caps["cp_start_positions"]:
                 start = None
             return Plan(
                 draw(seeds()), draw(st.sampled_from(caps["dtypes"])), draw(st.sampled_from(caps["freqs_dtypes"])),
                 draw(st.sampled_from(caps["formats"])), s, draw(st.integers(1, lim["b"])),
                 draw(st.integers(1, lim["h"])), draw(st.integers(1, lim["groups"])) if caps["groups"] else 1,
-                nk, draw(st.one_of(st.just(nk), st.integers(1, lim["nv"]))), d2,
+                nk, draw(st.one_of(st.just(nk), st.integers(1, lim["nv"]))) if caps["v_width"] else nk, d2,
                 draw(st.booleans()) if caps["interleaved"] else False,
                 draw(st.booleans()) if caps["elementwise_freqs"] else True,
                 start, cp_size, draw(st.integers(0, cp_size - 1)),
@@ -220,7 +227,7 @@ def start_positions_shift(conv, fn, caps, plan):
     bitwise, for q and k alike."""
     if not caps["start_positions"]:
         return
-    p = plan._replace(start_dtype=plan.start_dtype or torch.int64, cp_size=1, cp_rank=0)
+    p = plan._replace(start_dtype=plan.start_dtype or start_dtypes(caps)[-1], cp_size=1, cp_rank=0)
     case = make_case(conv, caps, p)
     want = call(fn, case)
     dim = seq_dim(p.tensor_format) ^ 1  # the batch dim
