@@ -1,4 +1,5 @@
-"""The Triton kernels: forward and backward (adjoint) RoPE for every format and mode (docs/design.md).
+"""The Triton kernels: forward and backward (adjoint) RoPE for every format and mode, and RoPE of per-head
+RMS-normalised q and k (`rope_qknorm_kernel`, the NORM section below) (docs/design.md).
 
 `rope_kernel` rotates one tensor, `rope_qk_kernel` q and k of a layer in one launch; both run `_rope`
 (the single-tensor kernel with x as q and as k, and no k rows). A *group* is a set of rows with one
@@ -65,7 +66,12 @@ def _program(n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr, SPLIT: tl.
     """(s index, b index, row chunk) of this program, in memory order. Index math is int32 (the launcher
     keeps programs and rows below 2**31), as a 64-bit division is a long subroutine in front of the
     first load; only offsets are 64-bit. Without SPLIT (one chunk per group) nothing is divided."""
-    pid = tl.program_id(0)
+    return _item(tl.program_id(0), n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
+
+
+@triton.jit
+def _item(pid, n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr, SPLIT: tl.constexpr):
+    """`_program` of work item `pid` (a program of the norm's backward takes several items in turn)."""
     if not SPLIT:
         group = pid
         chunk = pid * 0
@@ -291,6 +297,165 @@ def _store_chunk(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, xa, xb, tail, cos_a, cos_b,
                  mask=r_ok[:, None] & (t_cols < HEAD_DIM)[None, :])
 
 
+# ------------------------------------------------------------------------------------------------------ QK norm
+# NORM (1: x * r * w, 2: Gemma's x * r * (1 + w)), r = rsqrt(mean(x^2) + eps) over the whole head: every row of
+# a tile is one whole head (channels a, b and the tail), so the norm is a reduction along the tile's rows. The
+# tail (channels ROT_DIM..HEAD_DIM) is normalised and weighted, not copied, so it is loaded and stored in place
+# too (the launcher gives it a tile of one masked column where there is none). Backward: the program loops over
+# work items (pid, pid + n_progs, ...) and writes its partial weight gradients, q's then k's, to row pid of
+# part [n_progs, 2, HEAD_DIM]; the launcher sums the rows in a fixed order (no atomics).
+
+@triton.jit
+def _norm_weights(w_ptr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, NORM: tl.constexpr):
+    """The weights of channels a, b and of the tail as float32 [1, n] rows (Gemma's form: 1 + w)."""
+    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
+    t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+    wa = _shared_load(w_ptr + col_a, k_ok, 0.0).to(tl.float32)
+    wb = _shared_load(w_ptr + col_b, k_ok, 0.0).to(tl.float32)
+    wt = _shared_load(w_ptr + t_cols, t_cols < HEAD_DIM, 0.0).to(tl.float32)
+    if NORM == 2:
+        wa, wb, wt = wa + 1.0, wb + 1.0, wt + 1.0
+    return wa[None, :], wb[None, :], wt[None, :]
+
+
+@triton.jit
+def _load_head(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+               INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr):
+    """A tile of whole heads as float32 (a, b, tail), zero in the lanes past the head, so that row sums
+    are over the head's channels only."""
+    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
+    t_ok = (ROT_DIM + tl.arange(0, BLOCK_TAIL)) < HEAD_DIM
+    xa, xb, xt = _load_chunk(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF,
+                             BLOCK_TAIL, False)
+    return (tl.where(k_ok[None, :], xa, 0.0), tl.where(k_ok[None, :], xb, 0.0),
+            tl.where(t_ok[None, :], xt.to(tl.float32), 0.0))
+
+
+@triton.jit
+def _inv_rms(xa, xb, xt, eps, HEAD_DIM: tl.constexpr):
+    """r = rsqrt(mean(x^2) + eps) per row, as a [rows, 1] column (float32)."""
+    ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1) + tl.sum(xt * xt, axis=1)
+    return tl.rsqrt(ss / HEAD_DIM + eps)[:, None]
+
+
+@triton.jit
+def _store_head(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, out_a, out_b, out_t, out_ty: tl.constexpr, HEAD_DIM: tl.constexpr,
+                ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr, INPLACE: tl.constexpr):
+    """Store a tile of whole heads (float32 a, b and tail), each element rounded once."""
+    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
+    if INPLACE:
+        tl.debug_barrier()  # as in _store_chunk: no store before every thread's load of the tile
+    if INTERLEAVED:
+        cols = tl.arange(0, 2 * BLOCK_HALF)
+        y = tl.reshape(tl.join(out_a, out_b), (BLOCK_R, 2 * BLOCK_HALF))
+        tl.store(_tile_ptrs(rp_q, rp_k, in_q, cols, sd_q, sd_k), _to_output(y, out_ty, RNE_BF16),
+                 mask=r_ok[:, None] & (cols < ROT_DIM)[None, :])
+    else:
+        m = r_ok[:, None] & k_ok[None, :]
+        tl.store(_tile_ptrs(rp_q, rp_k, in_q, col_a, sd_q, sd_k), _to_output(out_a, out_ty, RNE_BF16), mask=m)
+        tl.store(_tile_ptrs(rp_q, rp_k, in_q, col_b, sd_q, sd_k), _to_output(out_b, out_ty, RNE_BF16), mask=m)
+    t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+    tl.store(_tile_ptrs(rp_q, rp_k, in_q, t_cols, sd_q, sd_k), _to_output(out_t, out_ty, RNE_BF16),
+             mask=r_ok[:, None] & (t_cols < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr,
+            part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+            seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
+            stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
+            stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
+            stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
+            stride_sqs, stride_sqb, stride_sqh, stride_sqd, stride_sks, stride_skb, stride_skh, stride_skd,
+            HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+            IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
+            BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
+            PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
+            POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
+            SEC1: tl.constexpr, SEC2: tl.constexpr, NORM: tl.constexpr):
+    """RoPE(RMSNorm(x) * w) of q's and k's heads (forward), or its vector-Jacobian product (BACKWARD: q_ptr and
+    k_ptr hold the output gradients, sq_ptr and sk_ptr the inputs, q and k; docs/design.md gives the algebra)."""
+    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
+    t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+    t_ok = t_cols < HEAD_DIM
+    wqa, wqb, wqt = _norm_weights(wq_ptr, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_HALF, BLOCK_TAIL, NORM)
+    wka, wkb, wkt = _norm_weights(wk_ptr, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_HALF, BLOCK_TAIL, NORM)
+    out_ty = qo_ptr.dtype.element_ty
+    acc_qa = tl.zeros([BLOCK_HALF], tl.float32)
+    acc_qb = tl.zeros([BLOCK_HALF], tl.float32)
+    acc_ka = tl.zeros([BLOCK_HALF], tl.float32)
+    acc_kb = tl.zeros([BLOCK_HALF], tl.float32)
+    acc_qt = tl.zeros([BLOCK_TAIL], tl.float32)
+    acc_kt = tl.zeros([BLOCK_TAIL], tl.float32)
+    pid = tl.program_id(0)
+    for item in range(pid, n_items, n_progs):
+        s_idx, b_idx, chunk = _item(item, n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
+        r_begin = chunk * rows_per_program
+        r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
+        q_base, qo_base = s_idx * stride_qs + b_idx * stride_qb, s_idx * stride_qos + b_idx * stride_qob
+        k_base, ko_base = s_idx * stride_ks + b_idx * stride_kb, s_idx * stride_kos + b_idx * stride_kob
+        sq_base, sk_base = s_idx * stride_sqs + b_idx * stride_sqb, s_idx * stride_sks + b_idx * stride_skb
+        stream = _stream_of_pair(BLOCK_HALF, MROPE, SEC0, SEC1, SEC2) if MROPE else 0
+        pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps, stride_pb,
+                        stride_pm, stream, IS_THD, HAS_START, USE_CP, FANOUT, POS_TABLE, MROPE)
+        cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs,
+                                             stride_fb, stride_fd, stride_fm, ROT_DIM, INTERLEAVED, BACKWARD,
+                                             BLOCK_HALF, PIN, TABLE, HALF_TABLE, MROPE)
+        for r0 in range(r_begin, r_end, BLOCK_R):
+            xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0,
+                                               r_end, q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob,
+                                               stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
+                                               GROUP_PER_BATCH, BLOCK_R, True)
+            wa = tl.where(in_q[:, None], wqa, wka)
+            wb = tl.where(in_q[:, None], wqb, wkb)
+            wt = tl.where(in_q[:, None], wqt, wkt)
+            if not BACKWARD:
+                xa, xb, xt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                                        BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
+                r = _inv_rms(xa, xb, xt, eps, HEAD_DIM)
+                ya, yb = xa * r * wa, xb * r * wb
+                _store_head(oq, ok, in_q, r_ok, stride_qod, stride_kod, ya * cos_a - yb * sin_a,
+                            yb * cos_b + ya * sin_b, xt * r * wt, out_ty, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
+                            BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
+            else:
+                ga, gb, gt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                                        BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
+                sq, sk, _, _, _, _ = _rows(sq_ptr, sq_ptr, sk_ptr, sk_ptr, sq_base, sq_base, sk_base, sk_base, r0,
+                                           r_end, q_rows, q_heads, k_heads, stride_sqb, stride_sqh, stride_sqb,
+                                           stride_sqh, stride_skb, stride_skh, stride_skb, stride_skh,
+                                           GROUP_PER_BATCH, BLOCK_R, True)
+                xa, xb, xt = _load_head(sq, sk, in_q, r_ok, stride_sqd, stride_skd, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                                        BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
+                r = _inv_rms(xa, xb, xt, eps, HEAD_DIM)
+                na, nb, nt = xa * r, xb * r, xt * r
+                ua = ga * cos_a - gb * sin_a  # R^T g (the adjoint's sines)
+                ub = gb * cos_b + ga * sin_b
+                gna, gnb, gnt = ua * wa, ub * wb, gt * wt
+                dot = (tl.sum(gna * na, axis=1) + tl.sum(gnb * nb, axis=1) + tl.sum(gnt * nt, axis=1))[:, None]
+                dot = dot / HEAD_DIM
+                _store_head(oq, ok, in_q, r_ok, stride_qod, stride_kod, r * (gna - na * dot), r * (gnb - nb * dot),
+                            r * (gnt - nt * dot), out_ty, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF,
+                            BLOCK_TAIL, RNE_BF16, False)
+                rq = (in_q & r_ok)[:, None]
+                rk = (r_ok & ~in_q)[:, None]
+                acc_qa += tl.sum(tl.where(rq, ua * na, 0.0), axis=0)
+                acc_qb += tl.sum(tl.where(rq, ub * nb, 0.0), axis=0)
+                acc_qt += tl.sum(tl.where(rq, gt * nt, 0.0), axis=0)
+                acc_ka += tl.sum(tl.where(rk, ua * na, 0.0), axis=0)
+                acc_kb += tl.sum(tl.where(rk, ub * nb, 0.0), axis=0)
+                acc_kt += tl.sum(tl.where(rk, gt * nt, 0.0), axis=0)
+    if BACKWARD:
+        row = part_ptr + pid.to(tl.int64) * (2 * HEAD_DIM)
+        tl.store(row + col_a, acc_qa, mask=k_ok)
+        tl.store(row + col_b, acc_qb, mask=k_ok)
+        tl.store(row + t_cols, acc_qt, mask=t_ok)
+        tl.store(row + HEAD_DIM + col_a, acc_ka, mask=k_ok)
+        tl.store(row + HEAD_DIM + col_b, acc_kb, mask=k_ok)
+        tl.store(row + HEAD_DIM + t_cols, acc_kt, mask=t_ok)
+
+
 # Integer arguments that are counts, not strides: Triton would specialize each on == 1 and on
 # divisibility by 16, multiplying the compiled variants for no faster code; strides keep their
 # specialization, which proves 16-byte alignment.
@@ -298,6 +463,7 @@ _COUNTS = ["n_heads", "n_batch", "rows_per_group", "rows_per_program", "n_groups
            "freqs_len", "cp_rank", "stride_fb"]
 _QK_COUNTS = ["q_heads", "k_heads", "n_batch", "q_rows", "k_rows", "rows_per_program", "n_groups", "inner", "seq_len",
               "n_seqs", "freqs_len", "cp_rank", "stride_fb"]
+_NORM_COUNTS = _QK_COUNTS + ["n_items", "n_progs"]
 
 
 @triton.jit
@@ -402,3 +568,37 @@ def rope_qk_kernel(
           HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
           GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT,
           FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, True)
+
+
+@triton.jit(do_not_specialize=_NORM_COUNTS)
+def rope_qknorm_kernel(
+    q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr, part_ptr,
+    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+    seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
+    stride_qs, stride_qb, stride_qh, stride_qd,
+    stride_qos, stride_qob, stride_qoh, stride_qod,
+    stride_ks, stride_kb, stride_kh, stride_kd,
+    stride_kos, stride_kob, stride_koh, stride_kod,
+    stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
+    stride_sqs, stride_sqb, stride_sqh, stride_sqd,
+    stride_sks, stride_skb, stride_skh, stride_skd,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
+    FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr,
+    SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr, NORM: tl.constexpr,
+):
+    """q and k of one layer normalised per head (RMSNorm with weights w_q, w_k) and rotated, in one launch; the
+    backward gives their gradients and the programs' partial weight gradients (part)."""
+    _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr,
+            part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+            seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
+            stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
+            stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
+            stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
+            stride_sqs, stride_sqb, stride_sqh, stride_sqd, stride_sks, stride_skb, stride_skh, stride_skd,
+            HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD, GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF,
+            BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT, FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2,
+            NORM)

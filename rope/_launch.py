@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from ._kernel import rope_kernel, rope_qk_kernel
+from ._kernel import rope_kernel, rope_qk_kernel, rope_qknorm_kernel
 from ._table import _raw_stream, cos_sin_table, token_positions
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -51,6 +51,11 @@ _THREADS_PER_SM = 2048
 _INTERPRETER_TILE_ROWS = 64 if INTERPRET else 0
 # thd: cu_seqlens entries loaded per round of the search (`_kernel._sequence_of`), one per lane of a warp.
 _SEARCH_FANOUT = 32
+# QK norm's backward: each program writes its partial weight gradients (2 * d float32), so programs take several
+# work items in turn (at most _NORM_PROGRAMS_PER_SM programs per SM) of up to _NORM_ROWS rows each: the partials
+# stay a few hundred KB, against the tens of MB of q and k, whatever the number of tokens.
+_NORM_PROGRAMS_PER_SM = 4
+_NORM_ROWS = 64
 
 
 def empty(x: torch.Tensor, dense: bool = False) -> torch.Tensor:
@@ -248,10 +253,13 @@ def _groups(layout, tensor_format: str, has_start: bool, h: int):
 
 def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, has_start: bool,
               cp_size: int, cp_rank: int, angles: Angles, backward: bool, inplace: bool = False,
-              pos_table: bool = False, k: torch.Tensor | None = None, pos_strides: tuple = (0, 1, 0)) -> Plan:
+              pos_table: bool = False, k: torch.Tensor | None = None, pos_strides: tuple = (0, 1, 0),
+              norm: int = 0, eps: float = 0.0, saved: tuple = ()) -> Plan:
     """The plan for x, or with `k` for x = q and k in one launch (same tokens, head dim and dtype; head
     counts may differ). `angles`: what the kernel reads (`Angles`); `pos_table`: the kernel's cu_seqlens
-    argument holds one position per token, at the (stream, s, b) strides `pos_strides`."""
+    argument holds one position per token, at the (stream, s, b) strides `pos_strides`. `norm` (1, or 2 for
+    Gemma's 1 + w): q and k RMS-normalised per head first (`rope_qknorm_kernel`); backward, `saved` holds the
+    inputs (q, k) while x and k are the output gradients."""
     tensors = (x,) if k is None else (x, k)
     table = angles.table
     # angles differ per batch entry: a group is one (s, b) pair
@@ -266,9 +274,14 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     table_tile = _table_tile(tensor_bytes, x.device, spans_batch, angles.stride_m != 0) if table else None
     block_r, block_half, block_tail, num_warps = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(),
                                                        max(q_rows, k_rows), table_tile)
-    rows_per_program = _rows_per_program(n_groups, rows, block_r, spans_batch, x.element_size(),
-                                         layout.rot_dim == layout.d, table, x.device,
-                                         row_bytes, pos_table)
+    if norm and backward:
+        rows_per_program = min(triton.cdiv(rows, block_r), max(1, _NORM_ROWS // block_r)) * block_r
+    else:
+        rows_per_program = _rows_per_program(n_groups, rows, block_r, spans_batch, x.element_size(),
+                                             layout.rot_dim == layout.d, table, x.device,
+                                             row_bytes, pos_table)
+    if norm:
+        block_tail = max(block_tail, 1)  # the norm's tail is stored in place too: one masked column where none
     chunks = triton.cdiv(rows, rows_per_program)
     _check_index_range(n_groups * chunks, rows + rows_per_program)
     # The joint rows of q and k (q's b x h, then k's) hold no run of one batch entry's heads.
@@ -286,6 +299,15 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         chunks > 1, _SEARCH_FANOUT if tensor_format == "thd" and not pos_table else 1, pos_table, angles.half,
         *angles.streams,
     )
+    if norm:
+        items = n_groups * chunks
+        progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items
+        saved_strides = [st for t in saved for st in _roles(t, tensor_format)] if saved else [0] * 8
+        head = 13  # counts, rows_per_program, n_groups, inner, seq_len, n_seqs, freqs_len, cp_size, cp_rank
+        scalars = (*scalars[:head], items, max(progs, 1), float(eps), *scalars[head:head + 23], *saved_strides,
+                   *scalars[head + 23:], norm)
+        return Plan(rope_qknorm_kernel, (progs, 1, 1), scalars, num_warps, x.device,
+                    tuple(_dense(t, tensor_format) for t in tensors))
     return Plan(rope_kernel if k is None else rope_qk_kernel, (n_groups * chunks, 1, 1), scalars, num_warps,
                 x.device, tuple(_dense(t, tensor_format) for t in tensors))
 
@@ -410,3 +432,54 @@ def rotate_qk(call, q, k, angles, start_positions, token_index, backward, inplac
     ko = k if inplace else empty(k, plan.dense[1])
     run(plan, (q, qo, k, ko, *_pointers(angles, start_positions, token_index)))
     return qo, ko
+
+
+def _norm_plan(call, q, k, angles, backward, inplace, pos_table, pos_strides, index_key, norm, eps, weights,
+               saved) -> Plan:
+    """`plan_for` of the QK-norm kernel: the key adds the norm's form, eps, the weights' dtypes and alignment
+    and, backward, the inputs' strides and alignment (Triton specializes on all but eps, a scalar of the plan)."""
+    key = ("norm", norm, eps, backward, inplace, pos_table, pos_strides, q.stride(), q.data_ptr() % 16, angles.key(),
+           index_key, k.shape, k.stride(), k.data_ptr() % 16,
+           *((w.dtype, w.data_ptr() % 16) for w in weights), *((t.stride(), t.data_ptr() % 16) for t in saved))
+    plan = call.plans.get(key)
+    if plan is None:
+        plan = make_plan(q, call.layout, call.tensor_format, call.interleaved, call.has_start, call.cp_size,
+                         call.cp_rank, angles, backward, inplace, pos_table, k, pos_strides, norm, eps, saved)
+        call.plans[key] = plan
+    return plan
+
+
+def norm_rotate_qk(call, q, k, weights, norm, eps, angles, start_positions, token_index, pos_table=False,
+                   inplace=False):
+    """RoPE(RMSNorm(x) * w) of q and k in one launch (`weights`: (w_q, w_k), contiguous; norm 2: 1 + w), into
+    new tensors or in place; returns (q_out, k_out)."""
+    if not (q.numel() or k.numel()):
+        return (q, k) if inplace else (empty(q), empty(k))
+    pos_strides = _pos_strides(token_index) if pos_table else (0, 1, 0)
+    plan = _norm_plan(call, q, k, angles, False, inplace, pos_table, pos_strides,
+                      _index_key(start_positions, token_index), norm, eps, weights, ())
+    qo = q if inplace else empty(q, plan.dense[0])
+    ko = k if inplace else empty(k, plan.dense[1])
+    cos, sin, start, index = _pointers(angles, start_positions, token_index)
+    run(plan, (q, qo, k, ko, cos, sin, start, index, *weights, q, k, cos))
+    return qo, ko
+
+
+def norm_rotate_qk_backward(call, grad_q, grad_k, q, k, weights, norm, eps, angles, start_positions, token_index,
+                            pos_table=False):
+    """The vector-Jacobian product of `norm_rotate_qk` at inputs (q, k) for output gradients (grad_q, grad_k):
+    (grad of q, grad of k, grad of w_q, grad of w_k), the weights' summed over tokens and heads in a fixed order
+    (each program's partial sums, then their sum over programs: deterministic, no atomics)."""
+    d = q.shape[-1]
+    if not (q.numel() or k.numel()):
+        zero = (torch.zeros(d, dtype=w.dtype, device=w.device) for w in weights)
+        return (empty(q), empty(k), *zero)
+    pos_strides = _pos_strides(token_index) if pos_table else (0, 1, 0)
+    plan = _norm_plan(call, grad_q, grad_k, angles, True, False, pos_table, pos_strides,
+                      _index_key(start_positions, token_index), norm, eps, weights, (q, k))
+    gq, gk = empty(grad_q, plan.dense[0]), empty(grad_k, plan.dense[1])
+    part = torch.empty((plan.grid[0], 2, d), dtype=torch.float32, device=q.device)
+    cos, sin, start, index = _pointers(angles, start_positions, token_index)
+    run(plan, (grad_q, gq, grad_k, gk, cos, sin, start, index, *weights, q, k, part))
+    gw = part.sum(0)
+    return gq, gk, gw[0].to(weights[0].dtype), gw[1].to(weights[1].dtype)

@@ -1,0 +1,127 @@
+"""QK-RMSNorm fused with RoPE (Qwen3, Qwen3-MoE, Gemma 3, OLMo 2): y = RoPE(RMSNorm(x) * w) per head of q and k.
+
+RMSNorm over the whole head (d channels) in float32: n = x * rsqrt(mean(x^2) + eps), times w (or Gemma's 1 + w),
+then the rotation of the first `rot` channels (partial rotary: the norm still spans the head), one rounding to
+x's dtype. q and k in one launch, each with its own weight [d] and head count.
+- `apply`: transformers' tables cos, sin [b or 1, s, rot]; differentiable in q, k and both weights.
+- `apply_cache`: positions [T] into vLLM's cos_sin_cache [max_position, rot]; q [T, hq, d]; differentiable.
+- `fused_qk_norm_rope`: vLLM's op, in place on packed qkv [T, (hq + hk + hv) * d], v untouched.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _launch, reference
+from ._apply import kernel_runs
+from ._launch import Angles
+from ._qknorm_checks import check_cache_call, check_packed, check_table_call
+from ._validate import Call, Layout, call_for, check_inplace, check_positions_in
+
+
+class _QKNormFunction(torch.autograd.Function):
+    """Autograd of the fused op: the backward recomputes r from q and k (saved as given), docs/design.md."""
+
+    @staticmethod
+    def forward(ctx, state, q, k, q_weight, k_weight):
+        call, angles, index, pos_table, norm, eps = state
+        ctx.state = state
+        ctx.save_for_backward(q, k, q_weight, k_weight)
+        return _launch.norm_rotate_qk(call, q, k, (q_weight, k_weight), norm, eps, angles, None, index, pos_table)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        call, angles, index, pos_table, norm, eps = ctx.state
+        q, k, q_weight, k_weight = ctx.saved_tensors
+        return None, *_launch.norm_rotate_qk_backward(call, grad_q, grad_k, q, k, (q_weight, k_weight), norm, eps,
+                                                      angles, None, index, pos_table)
+
+
+def _fused(qv, kv, q_weight, k_weight, state):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (qv, kv, q_weight, k_weight)):
+        return _QKNormFunction.apply(state, qv, kv, q_weight, k_weight)
+    call, angles, index, pos_table, norm, eps = state
+    return _launch.norm_rotate_qk(call, qv, kv, (q_weight, k_weight), norm, eps, angles, None, index, pos_table)
+
+
+def reference_norm_rope(x, weight, eps, gemma, cos, sin, interleaved):
+    """The PyTorch path (CPU, and traced by torch.compile): float32 RMSNorm over the head, the weight, then
+    `reference.rotate` by per-channel cos/sin broadcast against x[..., :rot]; one rounding to x's dtype."""
+    xf = x.float()
+    n = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    w = weight.float() + 1.0 if gemma else weight.float()
+    return reference.rotate(n * w, cos, sin, interleaved).to(x.dtype)
+
+
+def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interleaved=False, gemma=False):
+    """RoPE(RMSNorm(q) * q_weight) and the same for k, transformers' layouts: q [b, hq, s, d] after the
+    attention's transpose (unsqueeze_dim=1) or [b, s, hq, d] before it (unsqueeze_dim=2); cos, sin [b or 1, s,
+    rot] as transformers' rotary module returns them (rot <= d even: partial rotary over the first rot channels;
+    interleaved: pairs (2i, 2i + 1)). gemma: Gemma's (1 + w). New tensors, in q's layout."""
+    qv, kv = check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, interleaved, gemma)
+    b, s, hq, d = qv.shape
+    rot = cos.shape[-1]
+    if not kernel_runs(q):
+        view = (lambda t: t.unsqueeze(unsqueeze_dim))
+        return tuple(reference_norm_rope(x, w, eps, gemma, view(cos), view(sin), interleaved)
+                     for x, w in ((q, q_weight), (k, k_weight)))
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    angles = Angles(cos, sin, s, cos.stride(-2), cos.stride(-3) if cos.shape[0] > 1 else 0, cos.stride(-1), True,
+                    False)
+    key = ("qknorm", qv.shape, qv.stride(), qv.dtype, qv.device, kv.shape[2], rot, interleaved)
+    call = call_for(key, lambda: Call(Layout(s, b, hq, d, rot, s, 0), "bshd", interleaved, None, None, 1, 0))
+    qo, ko = _fused(qv, kv, q_weight.contiguous(), k_weight.contiguous(), (call, angles, None, False, 1 + gemma, eps))
+    return (qo.transpose(1, 2), ko.transpose(1, 2)) if unsqueeze_dim == 1 else (qo, ko)
+
+
+def apply_cache(q, k, q_weight, k_weight, positions, cos_sin_cache, eps=1e-6, is_neox=True, gemma=False):
+    """RoPE(RMSNorm(x) * w) of q [T, hq, d] and k [T, hk, d] at `positions` [T] (int32/int64) of vLLM's
+    cos_sin_cache [max_position, rot] (row p: the rot/2 cosines, then the sines); is_neox: half-split pairs,
+    else interleaved. Differentiable in q, k and both weights; new tensors."""
+    cos, sin, rows = check_cache_call(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox, gemma)
+    check_positions_in(positions, rows)
+    if not kernel_runs(q):
+        return _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma)
+    return _fused(q, k, q_weight.contiguous(), k_weight.contiguous(),
+                  _cache_state(q, k, cos_sin_cache, positions, is_neox, gemma, eps))
+
+
+def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
+                       is_neox, position_ids):
+    """vLLM's `fused_qk_norm_rope`: the q and k heads of packed qkv [T, (hq + hk + hv) * head_dim] normalised
+    (weights [head_dim]) and rotated in place at `position_ids` [T]; v untouched; returns None. No backward."""
+    q, k = check_packed(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim)
+    cos, sin, rows = check_cache_call(q, k, q_weight, k_weight, position_ids, cos_sin_cache, eps, is_neox, False,
+                                      ("qkv", "position_ids"))
+    check_inplace("qkv", qkv)
+    if qkv.requires_grad and torch.is_grad_enabled():
+        raise ValueError("qkv: vLLM's op writes qkv in place and has no backward; call it under torch.no_grad(), "
+                         "or use rope.qknorm.apply_cache")
+    check_positions_in(position_ids, rows, "position_ids")
+    if not kernel_runs(qkv):
+        qo, ko = _reference_cache(q, k, q_weight, k_weight, position_ids, cos, sin, eps, is_neox, False)
+        q.copy_(qo)
+        k.copy_(ko)
+        return None
+    state = _cache_state(q, k, cos_sin_cache, position_ids, is_neox, False, eps)
+    _launch.norm_rotate_qk(state[0], q, k, (q_weight.contiguous(), k_weight.contiguous()), 1, eps, state[1], None,
+                           position_ids, True, inplace=True)
+    return None
+
+
+def _cache_state(q, k, cache, positions, is_neox, gemma, eps):
+    rows, rot = cache.shape
+    t, hq, d = q.shape
+    key = ("qknorm-cache", q.shape, q.stride(), q.dtype, q.device, k.shape[1], rot, rows, is_neox, positions.dtype)
+    call = call_for(key, lambda: Call(Layout(t, 1, hq, d, rot, rows, 0), "thd", not is_neox, None, None, 1, 0))
+    angles = Angles(cache[:, :rot // 2], cache[:, rot // 2:], rows, cache.stride(0), 0, cache.stride(1), True, True)
+    return call, angles, positions, True, 1 + gemma, eps
+
+
+def _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma):
+    full = [reference.rows_at(reference.full_width(tab, not is_neox), positions.long()).unsqueeze(-2)
+            for tab in (cos, sin)]
+    return tuple(reference_norm_rope(x, w, eps, gemma, *full, not is_neox) for x, w in ((q, q_weight), (k, k_weight)))
+
+
+__all__ = ["apply", "apply_cache", "fused_qk_norm_rope", "reference_norm_rope"]
