@@ -1,9 +1,11 @@
 """transformers' convention (Llama and most decoder models):
     apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1) -> (q_embed, k_embed)
-    q_embed = q * cos.unsqueeze(unsqueeze_dim) + rotate_half(q) * sin.unsqueeze(unsqueeze_dim)
-q [b, hq, s, d] and k [b, hk, s, d] (unsqueeze_dim=1), or [b, s, h, d] (unsqueeze_dim=2); cos, sin [b or 1, s, d],
+    q_embed = cat(q_rot * cos.unsqueeze(unsqueeze_dim) + rotate_half(q_rot) * sin.unsqueeze(unsqueeze_dim), q_pass)
+q [b, hq, s, d] and k [b, hk, s, d] (unsqueeze_dim=1), or [b, s, h, d] (unsqueeze_dim=2); cos, sin [b or 1, s, r],
 gathered by position already, in any dtype: the result has torch's promotion of q's and cos's dtypes, as the
-expression gives. position_ids is unused (transformers 4.x passed it; 5 dropped it). New tensors; the gradient
+expression gives. r = cos.shape[-1] is the rotary width (even, <= d): q_rot = q[..., :r] is rotated with pairs
+(i, i + r/2), q_pass = q[..., r:] passes through (GPT-NeoX, Phi, StableLM, Qwen3-Next; r = d in Llama), and d may
+then be odd. position_ids is unused (transformers 4.x passed it; 5 dropped it). New tensors; the gradient
 flows to q and k.
 """
 from __future__ import annotations
@@ -38,6 +40,15 @@ class Plan(NamedTuple):
     k_layout: Layout
     cos_layout: object  # a Layout, or "expanded" (a [1, s, d] table expanded over the batch: stride 0)
     position_ids: bool
+    rotary: int  # r, the tables' width
+
+
+def rotary_widths(d: int, small_shapes: bool) -> list:
+    """Rotary widths below d to draw: every even one on the CPU; on a device the models' (32, 48, 64: Qwen3-Next,
+    Phi-4-mini's 0.75 of 96 = 72, GLM's half) and the smallest."""
+    if small_shapes:
+        return list(range(2, d, 2))
+    return sorted({w for w in (2, 32, 48, 64, d // 4 * 2, 3 * d // 8 * 2) if 2 <= w < d})
 
 
 class HF(Convention):
@@ -56,38 +67,54 @@ class HF(Convention):
         "backward": (True, "gradients for q and k"),
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
         "in_place": (False, "may write q's and k's memory with the result and return views of it (Liger's kernel)"),
+        "partial": (True, "cos/sin narrower than the head: rotary width = their width, the rest passed through"),
     }
+    INTERLEAVED = False  # the rotary pairs: (i, i + r/2); GLM's convention pairs (2i, 2i + 1)
 
     def plans(self, caps):
-        lim = dict(b=2, h=3, s=5, dims=(2, 4, 6, 8, 12, 16)) if small() else \
-            dict(b=4, h=32, s=512, dims=(2, 6, 64, 80, 128, 256))
+        lim = dict(b=2, h=3, s=5, dims=(2, 4, 6, 8, 12, 16), odd=(5, 9)) if small() else \
+            dict(b=4, h=32, s=512, dims=(2, 6, 64, 80, 96, 128, 256), odd=(81,))
+        # A subclass with a rotary width of its own (Liger's `rot`) draws even heads only; odd heads need partial rotary.
+        own_width = type(self).table_width is HF.table_width
+        partial = caps.get("partial", False)
 
         @st.composite
         def draw(draw):
             dtype = draw(st.sampled_from(caps["dtypes"]))
             table_dtype = draw(st.sampled_from((dtype, torch.float32))) if caps["float32_tables"] else dtype
             hq = draw(st.integers(1, lim["h"]))
-            hk = draw(st.integers(1, hq)) if caps["gqa"] else hq
+            hk = draw(st.integers(1, hq)) if caps.get("gqa") else hq
+            d = draw(st.sampled_from(lim["dims"] + (lim["odd"] if partial and own_width else ())))
+            rotary = draw(st.sampled_from(rotary_widths(d, small()))) if partial and (d % 2 or d > 2 and draw(
+                st.booleans())) else d
             b, s = draw(st.integers(1, lim["b"])), draw(st.integers(1, lim["s"]))
             strides = caps["strides"]
             cos_layout = draw(st.one_of(layouts(3, padded_dims=(1, 2)), st.just("expanded"))) if strides \
                 else contiguous(3)
             return Plan(
-                draw(seeds()), dtype, table_dtype, b, hq, hk, s, draw(st.sampled_from(lim["dims"])),
+                draw(seeds()), dtype, table_dtype, b, hq, hk, s, d,
                 draw(st.sampled_from(caps["unsqueeze_dim"])),
                 draw(st.sampled_from((1, b))) if caps["cos_batch"] else 1,
                 draw(st.booleans()) if caps["elementwise_tables"] else True,
                 draw(layouts(4)) if strides else contiguous(4), draw(layouts(4)) if strides else contiguous(4),
-                cos_layout, draw(st.booleans()) if caps["position_ids"] else False)
+                cos_layout, draw(st.booleans()) if caps.get("position_ids") else False, rotary)
 
         return draw()
 
     def build(self, p: Plan, arena) -> Case:
-        def heads_shape(h):
-            return (p.b, h, p.s, p.d) if p.unsqueeze_dim == 1 else (p.b, p.s, h, p.d)
+        q = arena.randn(self.heads_shape(p, p.hq), p.dtype, p.q_layout)
+        k = arena.randn(self.heads_shape(p, p.hk), p.dtype, p.k_layout)
+        args = dict(q=q, k=k, **self.tables(p, arena))
+        if p.position_ids:
+            args["position_ids"] = arena.place(torch.arange(p.s).expand(p.b, p.s).clone())
+        args["unsqueeze_dim"] = p.unsqueeze_dim
+        return Case(p, args, 4, arena.buffers)
 
-        q = arena.randn(heads_shape(p.hq), p.dtype, p.q_layout)
-        k = arena.randn(heads_shape(p.hk), p.dtype, p.k_layout)
+    def heads_shape(self, p, h) -> tuple:
+        return (p.b, h, p.s, p.d) if p.unsqueeze_dim == 1 else (p.b, p.s, h, p.d)
+
+    def tables(self, p, arena) -> dict:
+        """cos and sin [b or 1, s, r] from angles cat(theta, theta) (the halves differ unless p.equal_halves)."""
         width = self.table_width(p)
         theta = arena.angles((p.cos_batch, p.s, width // 2))
         theta = torch.cat([theta, theta if p.equal_halves else arena.angles(theta.shape)], dim=-1)
@@ -98,15 +125,11 @@ class HF(Convention):
                 tables.append(arena.place(values[:1]).expand(p.b, p.s, width))
             else:
                 tables.append(arena.place(values, p.cos_layout))
-        args = dict(q=q, k=k, cos=tables[0], sin=tables[1])
-        if p.position_ids:
-            args["position_ids"] = arena.place(torch.arange(p.s).expand(p.b, p.s).clone())
-        args["unsqueeze_dim"] = p.unsqueeze_dim
-        return Case(p, args, 4, arena.buffers)
+        return dict(cos=tables[0], sin=tables[1])
 
     def table_width(self, p) -> int:
-        """The width of cos/sin: the rotary width (transformers: the whole head)."""
-        return p.d
+        """The width of cos/sin: the rotary width."""
+        return p.rotary
 
     def effects(self, case):
         if case.caps.get("in_place"):
@@ -117,27 +140,33 @@ class HF(Convention):
         return self.rotate_heads(case, x64, x64["cos"], x64["sin"])
 
     def rotate_heads(self, case, x64, cos, sin):
-        """q and k rotated by per-channel tables [b or 1, s, r] (r, the rotary width, is the tables' width)."""
+        """q and k (or x) rotated by per-channel tables [b or 1, s, r] (r, the rotary width, is the tables' width)."""
         p = case.plan
         out_dtype = torch.promote_types(p.dtype, p.table_dtype)
         if case.caps.get("in_place"):
             out_dtype = p.dtype  # written into q and k
         cos, sin = cos.unsqueeze(p.unsqueeze_dim), sin.unsqueeze(p.unsqueeze_dim)
-        rot = cos.shape[-1]
-        return {name: Expect(pairing.rotate(x64[name], cos, sin, False), x64[name], rot, False, out_dtype)
-                for name in ("q", "k")}
+        rot, il = cos.shape[-1], self.INTERLEAVED
+        return {name: Expect(pairing.rotate(x64[name], cos, sin, il), x64[name], rot, il, out_dtype)
+                for name in rotated(case)}
 
 
 # ---------------------------------------------------------------------------------------------- invariants
 # Oracle-free properties of transformers' convention, each in its own terms. Every call goes through `call`, which
 # passes q and k as copies where the convention writes them, so that one case serves several calls.
 
+def rotated(case) -> list:
+    """The rotated arguments: q and k, or x (the one-tensor form)."""
+    return [n for n in ("q", "k", "x") if n in case.args]
+
+
 def call(fn, case, **overrides):
-    """fn on the case's arguments with `overrides` replacing some; (q, k) as returned."""
+    """fn on the case's arguments with `overrides` replacing some; its results as a tuple ((q, k), or (x,))."""
     args = {**case.args, **overrides}
     if case.caps.get("in_place"):
-        args = {n: v.clone() if n in ("q", "k") else v for n, v in args.items()}
-    return replace(case, args=args).call(fn)
+        args = {n: v.clone() if n in ("q", "k", "x") else v for n, v in args.items()}
+    out = replace(case, args=args).call(fn)
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
 
 def heads_dim(case) -> int:
@@ -150,10 +179,10 @@ def unsqueeze_dim_transposed(conv, fn, caps, plan):
     if not {1, 2} <= set(caps["unsqueeze_dim"]) or not caps["strides"]:
         return
     case = make_case(conv, caps, plan._replace(unsqueeze_dim=2))
-    q, k = case.args["q"], case.args["k"]
+    names = rotated(case)
     want = call(fn, case)
-    got = call(fn, case, q=q.transpose(1, 2), k=k.transpose(1, 2), unsqueeze_dim=1)
-    for name, g, w in zip(("q", "k"), got, want, strict=True):
+    got = call(fn, case, unsqueeze_dim=1, **{n: case.args[n].transpose(1, 2) for n in names})
+    for name, g, w in zip(names, got, want, strict=True):
         assert_bitwise(f"unsqueeze_dim: {name} with 1 on the transposed view, against 2", g.transpose(1, 2), w)
 
 
@@ -172,7 +201,7 @@ def tables_batch_broadcast(conv, fn, caps, plan):
         variants.append(("repeated", cos.expand(b, -1, -1).contiguous(), sin.expand(b, -1, -1).contiguous()))
     for what, c, s in variants:
         got = call(fn, case, cos=c, sin=s)
-        for name, g, w in zip(("q", "k"), got, want, strict=True):
+        for name, g, w in zip(rotated(case), got, want, strict=True):
             assert_bitwise(f"tables {what} to batch {b}: {name}, against batch 1", g, w)
 
 
@@ -197,7 +226,7 @@ def q_k_independent(conv, fn, caps, plan):
     assert_bitwise("q after k was changed", q2, q1)
     as_q, _ = call(fn, case, q=k2, k=k2)
     assert_within(f"k with {shape[heads_dim(case)]} heads, against the same tensor in q's place", k2_out, as_q, k2,
-                  case.args["cos"].shape[-1], False, 2, caps.get("accuracy", "float32"))
+                  case.args["cos"].shape[-1], conv.INTERLEAVED, 2, caps.get("accuracy", "float32"))
 
 
 def swap_q_k(conv, fn, caps, plan):
@@ -210,19 +239,37 @@ def swap_q_k(conv, fn, caps, plan):
     q2, k2 = call(fn, case, q=case.args["k"], k=case.args["q"])
     rot = case.args["cos"].shape[-1]
     model = caps.get("accuracy", "float32")
-    assert_within("q's result with q and k swapped, against k's", q2, k1, k_in, rot, False, 2, model)
-    assert_within("k's result with q and k swapped, against q's", k2, q1, q_in, rot, False, 2, model)
+    assert_within("q's result with q and k swapped, against k's", q2, k1, k_in, rot, conv.INTERLEAVED, 2, model)
+    assert_within("k's result with q and k swapped, against q's", k2, q1, q_in, rot, conv.INTERLEAVED, 2, model)
 
 
 def inverse(conv, fn, caps, plan):
     """(cos, -sin) on the result gives back the input, within two roundings and the tables' rounding
     (compare.assert_undone). Equal pair halves only: with elementwise tables the call is no rotation."""
     case = make_case(conv, caps, plan._replace(equal_halves=True))
+    names = rotated(case)
     once = call(fn, case)
-    twice = call(fn, case, q=once[0], k=once[1], sin=-case.args["sin"])
-    for name, back in zip(("q", "k"), twice, strict=True):
-        assert_undone(f"inverse: {name}", back, case.args[name], case.args["cos"].shape[-1], False,
-                      case.args["cos"].dtype, caps.get("accuracy", "float32"))
+    twice = call(fn, case, sin=-case.args["sin"], **dict(zip(names, once, strict=True)))
+    for name, back in zip(names, twice, strict=True):
+        # x0 in the result's dtype (promoted: an exact conversion), so that passed-through channels compare bitwise
+        assert_undone(f"inverse: {name}", back, case.args[name].to(back.dtype), case.args["cos"].shape[-1],
+                      conv.INTERLEAVED, case.args["cos"].dtype, caps.get("accuracy", "float32"))
+
+
+def partial_is_sliced(conv, fn, caps, plan):
+    """Partial rotary (tables of width r < d): channels :r of the result are, bitwise, the call on q[..., :r] and
+    k[..., :r] with the same tables (a whole-head rotation of the slice), and channels r.. are q's and k's as given
+    (converted to the result's dtype), bitwise."""
+    case = make_case(conv, caps, plan)
+    names, r = rotated(case), case.args["cos"].shape[-1]
+    if r == case.args[names[0]].shape[-1]:
+        return
+    got = call(fn, case)
+    sliced = call(fn, case, **{n: case.args[n][..., :r] for n in names})
+    for name, g, w in zip(names, got, sliced, strict=True):
+        assert_bitwise(f"partial rotary: {name}[..., :{r}] against the call on {name}[..., :{r}]", g[..., :r], w)
+        assert_bitwise(f"partial rotary: channels {r}.. of {name}, passed through", g[..., r:],
+                       case.args[name][..., r:].to(g.dtype))
 
 
 INVARIANTS = {
@@ -231,6 +278,7 @@ INVARIANTS = {
     "q_k_independent": q_k_independent,
     "swap_q_k": swap_q_k,
     "inverse": inverse,
+    "partial_is_sliced": partial_is_sliced,
 }
 HF.INVARIANTS = INVARIANTS
 

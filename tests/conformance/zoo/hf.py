@@ -6,9 +6,12 @@ import torch
 from . import rotate_half
 
 
-def _embed(x, cos, sin, out_dtype, math_dtype=torch.float32):
-    xm = x.to(math_dtype)  # converted once: the backward then rounds the summed gradient once
-    return (xm * cos.to(math_dtype) + rotate_half(xm) * sin.to(math_dtype)).to(out_dtype)
+def _embed(x, cos, sin, out_dtype, math_dtype=torch.float32, interleaved=False):
+    """transformers' expression on x[..., :r] (r = cos.shape[-1]), x[..., r:] passed through."""
+    r = cos.shape[-1]
+    xm = x[..., :r].to(math_dtype)  # converted once: the backward then rounds the summed gradient once
+    rot = (xm * cos.to(math_dtype) + rotate_half(xm, interleaved) * sin.to(math_dtype)).to(out_dtype)
+    return torch.cat([rot, x[..., r:].to(out_dtype)], dim=-1)
 
 
 def correct(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -21,9 +24,10 @@ def k_rotates_q(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """k's expression reads rotate_half(q) (a typo that survives when k is a copy of q)."""
     out = torch.promote_types(q.dtype, cos.dtype)
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    kf = k.float() * cos.float() + rotate_half(q.float()[:, : k.shape[1]] if unsqueeze_dim == 1 else
-                                              q.float()[:, :, : k.shape[2]]) * sin.float()
-    return _embed(q, cos, sin, out), kf.to(out)
+    r = cos.shape[-1]
+    qk = q[:, : k.shape[1]] if unsqueeze_dim == 1 else q[:, :, : k.shape[2]]
+    kf = k[..., :r].float() * cos.float() + rotate_half(qk[..., :r].float()) * sin.float()
+    return _embed(q, cos, sin, out), torch.cat([kf.to(out), k[..., r:].to(out)], dim=-1)
 
 
 def unsqueeze_dim_ignored(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -118,6 +122,55 @@ def batched_tables_round_otherwise(q, k, cos, sin, position_ids=None, unsqueeze_
     return _embed(q, cos, sin, out, torch.float64), _embed(k, cos, sin, out, torch.float64)
 
 
+# ---- partial rotary (tables narrower than the head)
+
+def pairs_at_head_half(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Partial rotary with the partner at i + d/2 (the head's half) instead of i + r/2: pairs (i, i + d/2) for
+    i < r/2 take the tables' columns i and i + r/2; the other channels pass through."""
+    out = torch.promote_types(q.dtype, cos.dtype)
+    r, d = cos.shape[-1], q.shape[-1]
+    if r == d:
+        return correct(q, k, cos, sin, position_ids, unsqueeze_dim)
+    channels = torch.cat([torch.arange(r // 2), torch.arange(r // 2) + d // 2]).to(q.device)
+    rest = torch.tensor([c for c in range(d) if c not in channels.tolist()], dtype=torch.int64).to(q.device)
+    order = torch.argsort(torch.cat([channels, rest]))
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return tuple(_embed(torch.cat([x[..., channels], x[..., rest]], -1), cos, sin, out)[..., order] for x in (q, k))
+
+
+def rotary_from_the_end(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """The last r channels rotated, the first d - r passed through (a rope/nope split read in the other order)."""
+    out = torch.promote_types(q.dtype, cos.dtype)
+    r, d = cos.shape[-1], q.shape[-1]
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return tuple(_embed(x.roll(r - d, -1), cos, sin, out).roll(d - r, -1) for x in (q, k))
+
+
+def pass_through_zeroed(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Only the rotated channels written into a zeroed output: channels r.. are 0, not q's."""
+    qo, ko = correct(q, k, cos, sin, position_ids, unsqueeze_dim)
+    r = cos.shape[-1]
+    return tuple(torch.cat([o[..., :r], torch.zeros_like(o[..., r:])], -1) for o in (qo, ko))
+
+
+def odd_tail_dropped(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """The passed-through channels copied two at a time: of an odd count, the last one is left 0."""
+    qo, ko = correct(q, k, cos, sin, position_ids, unsqueeze_dim)
+    if (q.shape[-1] - cos.shape[-1]) % 2 == 0:
+        return qo, ko
+    return tuple(torch.cat([o[..., :-1], torch.zeros_like(o[..., -1:])], -1) for o in (qo, ko))
+
+
+def whole_head_tables_tiled(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Tables narrower than the head repeated across it: the whole head rotated (pairs (i, i + d/2)), as a kernel
+    that knows no rotary width; an odd head keeps its last channel."""
+    r, d = cos.shape[-1], q.shape[-1]
+    if r == d:
+        return correct(q, k, cos, sin, position_ids, unsqueeze_dim)
+    idx = (torch.arange(d // 2 * 2) % r).to(cos.device)
+    return correct(q, k, cos[..., idx], sin[..., idx], position_ids, unsqueeze_dim)
+
+
 CORRECT = correct
 BUGS = {
     "k_rotates_q": (k_rotates_q, ("forward", "backward", "q_k_independent", "swap_q_k")),
@@ -132,4 +185,10 @@ BUGS = {
     # within the accuracy model: only the invariants see them
     "transposed_layout_rounds_otherwise": (transposed_layout_rounds_otherwise, ("unsqueeze_transposed",)),
     "batched_tables_round_otherwise": (batched_tables_round_otherwise, ("tables_batch_broadcast",)),
+    # partial rotary
+    "pairs_at_head_half": (pairs_at_head_half, ("forward", "partial_is_sliced")),
+    "rotary_from_the_end": (rotary_from_the_end, ("forward", "partial_is_sliced")),
+    "pass_through_zeroed": (pass_through_zeroed, ("forward", "partial_is_sliced")),
+    "odd_tail_dropped": (odd_tail_dropped, ("forward", "partial_is_sliced")),
+    "whole_head_tables_tiled": (whole_head_tables_tiled, ("forward", "partial_is_sliced")),
 }
