@@ -2,9 +2,10 @@
     apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1) -> (q_embed, k_embed)
     cos = cat([m[i % 3] for i, m in enumerate(cos.split(mrope_section * 2, dim=-1))], dim=-1)  (sin alike)
     q_embed = q * cos.unsqueeze(unsqueeze_dim) + rotate_half(q) * sin.unsqueeze(unsqueeze_dim)
-cos, sin [3, b or 1, s, d]: one table per position stream (temporal, height, width), each cat(theta, theta) as
-the model's rotary module builds it; mrope_section: rotary pairs per stream, summing to d/2 (the list doubled
-covers both halves, so pair (i, i + d/2) reads one stream at both of its channels). q, k as in spec/hf.py. New
+cos, sin [3, b or 1, s, r]: one table per position stream (temporal, height, width), each cat(theta, theta) as
+the model's rotary module builds it; mrope_section: rotary pairs per stream, summing to r/2 (the list doubled
+covers both halves, so pair (i, i + r/2) reads one stream at both of its channels). r = cos.shape[-1] is the
+rotary width: channels r.. pass through (partial rotary, as in spec/hf.py; r = d in Qwen2-VL). q, k as in spec/hf.py. New
 tensors in torch's promotion of q's and cos's dtypes; the gradient flows to q and k.
 
 The section helpers here (the stream each pair reads, the sections a strategy draws, the selection of a
@@ -25,7 +26,7 @@ from ..contract import Returned
 from ..run import inputs64, make_case
 from ..tensors import Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, small
-from .hf import HF
+from .hf import HF, rotary_widths
 
 # ---- sections: shared by every multimodal convention -------------------------------------------------------
 
@@ -106,7 +107,8 @@ class Plan(NamedTuple):
     equal_halves: bool
     q_layout: Layout
     k_layout: Layout
-    cos_layout: object  # a Layout of [3, b, s, d], or "expanded" (a [3, 1, s, d] table expanded over the batch)
+    cos_layout: object  # a Layout of [3, b, s, r], or "expanded" (a [3, 1, s, r] table expanded over the batch)
+    rot: int  # r, the tables' width
 
 
 class HFMRoPE(Convention):
@@ -118,8 +120,9 @@ class HFMRoPE(Convention):
             "in_place": (False, "may write q's and k's memory with the result and return views of it (Liger's kernel)")}
 
     def plans(self, caps):
-        lim = dict(b=2, h=3, s=4, dims=(2, 6, 8, 12, 16)) if small() else \
-            dict(b=4, h=32, s=512, dims=(2, 6, 64, 80, 128, 256))
+        lim = dict(b=2, h=3, s=4, dims=(2, 6, 8, 12, 16), odd=(7,)) if small() else \
+            dict(b=4, h=32, s=512, dims=(2, 6, 64, 80, 128, 256), odd=(81,))
+        partial = caps.get("partial", False)
 
         @st.composite
         def draw(draw):
@@ -127,16 +130,19 @@ class HFMRoPE(Convention):
             table_dtype = draw(st.sampled_from((dtype, torch.float32))) if caps["float32_tables"] else dtype
             hq = draw(st.integers(1, lim["h"]))
             hk = draw(st.integers(1, hq)) if caps["gqa"] else hq
-            b, s, d = draw(st.integers(1, lim["b"])), draw(st.integers(1, lim["s"])), draw(st.sampled_from(lim["dims"]))
+            b, s = draw(st.integers(1, lim["b"])), draw(st.integers(1, lim["s"]))
+            d = draw(st.sampled_from(lim["dims"] + (lim["odd"] if partial else ())))
+            rot = draw(st.sampled_from(rotary_widths(d, small()))) if partial and (d % 2 or d > 2 and draw(
+                st.booleans())) else d
             strides = caps["strides"]
             cos_layout = draw(st.one_of(layouts(4), st.just("expanded"))) if strides else contiguous(4)
             return Plan(
-                draw(seeds()), dtype, table_dtype, b, hq, hk, s, d, draw(sections(d // 2, self.INTERLEAVED_LAYOUT)),
+                draw(seeds()), dtype, table_dtype, b, hq, hk, s, d, draw(sections(rot // 2, self.INTERLEAVED_LAYOUT)),
                 draw(st.sampled_from(caps["unsqueeze_dim"])),
                 draw(st.sampled_from((1, b))) if caps["cos_batch"] else 1,
                 draw(st.booleans()) if caps["elementwise_tables"] else True,
                 draw(layouts(4)) if strides else contiguous(4), draw(layouts(4)) if strides else contiguous(4),
-                cos_layout)
+                cos_layout, rot)
 
         return draw()
 
@@ -146,13 +152,13 @@ class HFMRoPE(Convention):
 
         q = arena.randn(heads_shape(p.hq), p.dtype, p.q_layout)
         k = arena.randn(heads_shape(p.hk), p.dtype, p.k_layout)
-        theta = arena.angles((3, p.cos_batch, p.s, p.d // 2))
+        theta = arena.angles((3, p.cos_batch, p.s, p.rot // 2))
         theta = torch.cat([theta, theta if p.equal_halves else arena.angles(theta.shape)], dim=-1)
         tables = []
         for fn in (torch.cos, torch.sin):
             values = fn(theta).to(p.table_dtype)
             if p.cos_layout == "expanded":
-                tables.append(arena.place(values[:, :1]).expand(3, p.b, p.s, p.d))
+                tables.append(arena.place(values[:, :1]).expand(3, p.b, p.s, p.rot))
             else:
                 tables.append(arena.place(values, p.cos_layout))
         args = dict(q=q, k=k, cos=tables[0], sin=tables[1], mrope_section=list(p.section),
@@ -170,9 +176,9 @@ class HFMRoPE(Convention):
 
     def define(self, case, x64):
         p = case.plan
-        channel_stream = stream_of_channel(p.section, p.d, self.INTERLEAVED_LAYOUT, False)
+        channel_stream = stream_of_channel(p.section, p.rot, self.INTERLEAVED_LAYOUT, False)
         cos, sin = (select(x64[n], channel_stream).unsqueeze(p.unsqueeze_dim) for n in ("cos", "sin"))
-        return {name: Expect(pairing.rotate(x64[name], cos, sin, False), x64[name], p.d, False, self.out_dtype(case))
+        return {name: Expect(pairing.rotate(x64[name], cos, sin, False), x64[name], p.rot, False, self.out_dtype(case))
                 for name in ("q", "k")}
 
     INVARIANTS = {}
@@ -210,7 +216,7 @@ def equal_streams(conv, fn, caps, plan):
     model = caps.get("accuracy", "float32")
     for name, got in (("q", q_out), ("k", k_out)):
         x64 = case.args[name].detach().double().cpu()
-        assert_within(f"equal streams vs plain RoPE: {name}", got, pairing.rotate(x64, c64, s64, False), x64, p.d,
+        assert_within(f"equal streams vs plain RoPE: {name}", got, pairing.rotate(x64, c64, s64, False), x64, p.rot,
                       False, 1, model)
 
 
@@ -218,7 +224,7 @@ def inverse(conv, fn, caps, plan):
     """The call with sin negated, on the call's result, gives q and k back within three roundings of the
     float64 composition (q and k scaled by cos^2 + sin^2 of the tables as rounded to their dtype)."""
     case = make_case(conv, caps, plan)
-    half = case.plan.d // 2  # a rotation (whose inverse negates sin) where both channels of a pair share an angle
+    half = case.plan.rot // 2  # a rotation (whose inverse negates sin) where both channels of a pair share an angle
     cos, sin = (torch.cat([case.args[n][..., :half]] * 2, dim=-1) for n in ("cos", "sin"))
     case = fresh(case, cos=cos, sin=sin)
     q_out, k_out = call_pair(case, fn)
@@ -228,7 +234,7 @@ def inverse(conv, fn, caps, plan):
     there = conv.define(case, x64)
     again = conv.define(back, {**x64, "q": there["q"].value, "k": there["k"].value, "sin": -x64["sin"]})
     for name, got in (("q", q_back), ("k", k_back)):  # the first result's rounding is relative to the pair's scale
-        assert_within(f"inverse: {name}", got, again[name].value, x64[name], case.plan.d, False, 3, "dtype")
+        assert_within(f"inverse: {name}", got, again[name].value, x64[name], case.plan.rot, False, 3, "dtype")
 
 
 def q_k_independent(conv, fn, caps, plan):
@@ -268,17 +274,35 @@ def relabel_streams(conv, fn, caps, plan):
     perm = torch.randperm(3, generator=torch.Generator().manual_seed(plan.seed + 3)).tolist()
     bounds = torch.tensor([0, *torch.tensor(p.section).cumsum(0).tolist()])
     pair_order = torch.cat([torch.arange(bounds[m], bounds[m + 1]) for m in perm])  # new pair j = old pair
-    channels = torch.cat([pair_order, pair_order + p.d // 2]).to(case.args["q"].device)
+    rotated = torch.cat([pair_order, pair_order + p.rot // 2]).to(case.args["q"].device)
+    channels = torch.cat([rotated, torch.arange(p.rot, p.d, device=rotated.device)])  # passed-through stay
     q_out, k_out = call_pair(case, fn)
     moved = fresh(case, q=case.args["q"][..., channels], k=case.args["k"][..., channels],
-                  cos=case.args["cos"][perm][..., channels], sin=case.args["sin"][perm][..., channels],
+                  cos=case.args["cos"][perm][..., rotated], sin=case.args["sin"][perm][..., rotated],
                   mrope_section=[p.section[m] for m in perm])
     q2, k2 = call_pair(moved, fn)
     assert_bitwise(f"streams relabelled {perm}: q", q2, q_out[..., channels])
     assert_bitwise(f"streams relabelled {perm}: k", k2, k_out[..., channels])
 
 
+def partial_is_sliced(conv, fn, caps, plan):
+    """Partial rotary (tables of width r < d): channels :r of the result are, bitwise, the call on q[..., :r] and
+    k[..., :r] with the same tables and sections, and channels r.. are q's and k's as given (in the result's
+    dtype), bitwise."""
+    case = make_case(conv, caps, plan)
+    r = case.plan.rot
+    if r == case.plan.d:
+        return
+    got = call_pair(case, fn)
+    sliced = call_pair(fresh(case, q=case.args["q"][..., :r], k=case.args["k"][..., :r]), fn)
+    for name, g, w in zip(("q", "k"), got, sliced, strict=True):
+        assert_bitwise(f"partial rotary: {name}[..., :{r}] against the call on {name}[..., :{r}]", g[..., :r], w)
+        assert_bitwise(f"partial rotary: channels {r}.. of {name}, passed through", g[..., r:],
+                       case.args[name][..., r:].to(g.dtype))
+
+
 HFMRoPE.INVARIANTS = {"equal_streams": equal_streams, "inverse": inverse, "q_k_independent": q_k_independent,
-                      "unsqueeze_dim": unsqueeze_dim_equivalent, "relabel_streams": relabel_streams}
+                      "unsqueeze_dim": unsqueeze_dim_equivalent, "relabel_streams": relabel_streams,
+                      "partial_is_sliced": partial_is_sliced}
 
 CONVENTION = HFMRoPE()

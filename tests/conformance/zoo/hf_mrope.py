@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .hf import _embed
+from .hf import pairs_at_head_half as _pairs_at_head_half
 from .hf import _SignFlippedBackward as _SelfAdjoint
 
 
@@ -95,6 +96,19 @@ def backward_not_transposed(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
     return _SelfAdjoint.apply(q, cos, sin), _SelfAdjoint.apply(k, cos, sin)
 
 
+def pairs_at_head_half(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """Partial rotary with the partner at i + d/2 (the head's half) instead of i + r/2."""
+    return _pairs_at_head_half(q, k, select_sections(cos, mrope_section), select_sections(sin, mrope_section), None,
+                               unsqueeze_dim)
+
+
+def pass_through_zeroed(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """Only the rotated channels written into a zeroed output: channels r.. are 0, not q's."""
+    r = cos.shape[-1]
+    return tuple(torch.cat([o[..., :r], torch.zeros_like(o[..., r:])], -1)
+                 for o in correct(q, k, cos, sin, mrope_section, unsqueeze_dim))
+
+
 CORRECT = correct
 BUGS = {
     "sections_not_doubled": (sections_not_doubled, ("forward",)),
@@ -107,4 +121,7 @@ BUGS = {
     "math_in_input_dtype": (math_in_input_dtype, ("forward",)),
     "unsqueeze_dim_ignored": (unsqueeze_dim_ignored, ("forward", "unsqueeze_dim")),
     "backward_not_transposed": (backward_not_transposed, ("backward",)),
+    # partial rotary
+    "pairs_at_head_half": (pairs_at_head_half, ("forward", "partial_is_sliced")),
+    "pass_through_zeroed": (pass_through_zeroed, ("forward", "partial_is_sliced")),
 }
