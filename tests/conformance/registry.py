@@ -61,11 +61,12 @@ NAMED = {
                       {"cache_dtypes": "query", "strided_cache": False, "strided_positions": False,
                        "int32_positions": False, "accuracy": "dtype"})},
     # TE asserts contiguous qkv and freqs, and refuses start_positions with context parallelism; its kernel reads
-    # start_positions as int32 and takes v's width as the head width of q and k (fused_rope.cu), neither checked
+    # start_positions as int32 and takes v's width as the head width of q and k (fused_rope.cu), neither checked;
+    # its backward has no start_positions (TE documents them as inference only)
     "te": {"te-qkv": (("transformer_engine.pytorch.attention.rope:apply_fused_qkv_rotary_pos_emb",
                        "transformer_engine.pytorch.attention:apply_fused_qkv_rotary_pos_emb"),
                       {"strides": False, "cp_start_positions": False, "int64_start_positions": False,
-                       "v_width": False})},
+                       "v_width": False, "backward_start_positions": False})},
 }
 OURS = ("rope", "rope:apply_rotary_pos_emb", "rope.functional:apply_rotary_pos_emb")
 

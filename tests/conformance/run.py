@@ -75,7 +75,7 @@ def forward(conv, fn, caps, plan):
 
 
 def backward(conv, fn, caps, plan):
-    case = make_case(conv, caps, plan)
+    case = make_case(conv, caps, conv.backward_plan(plan, caps))
     names = [n for n in conv.DIFFERENTIABLE if case.args.get(n) is not None]
     x64 = inputs64(case, grad=names)
     leaves = {}

@@ -82,6 +82,10 @@ class Convention:
     def read(self, case: Case, name: str, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def backward_plan(self, plan, caps: dict):
+        """The plan as the backward property runs it (a target may support less in backward than in forward)."""
+        return plan
+
     def grad_of(self, case: Case, arg: str) -> str:
         """The output whose upstream gradient arg's gradient rotates back (for the accuracy scale)."""
         return arg

@@ -89,6 +89,7 @@ class TEQKV(Convention):
         "elementwise_freqs": (True, "angles that differ within a pair (freqs act channel by channel)"),
         "start_positions": (True, "start_positions, int32 or int64 [b]"),
         "int64_start_positions": (True, "start_positions of dtype int64 (not only int32)"),
+        "backward_start_positions": (True, "the gradient of a call with start_positions"),
         "v_width": (True, "v's head width nv other than k's nk"),
         "context_parallel": (True, "cp_size > 1: the dual-chunk positions of cp_rank"),
         "cp_start_positions": (True, "start_positions together with cp_size > 1 (TE's own function refuses it)"),
@@ -126,6 +127,9 @@ class TEQKV(Convention):
                 draw(layouts(4)) if caps["strides"] else contiguous(4))
 
         return draw()
+
+    def backward_plan(self, plan, caps):
+        return plan if caps["backward_start_positions"] else plan._replace(start_dtype=None)
 
     def freqs(self, p: Plan, arena, rows: int):
         """Angles [rows, 1, 1, d2] in freqs_dtype: one per pair where the halves are equal, else one per channel."""
