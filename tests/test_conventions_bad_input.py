@@ -26,6 +26,19 @@ def hf_args(**change):
     return rope.hf.apply_rotary_pos_emb, kw
 
 
+def hf_single_args(**change):
+    kw = dict(x=_r(2, 3, 5, 9), cos=_r(1, 5, 6), sin=_r(1, 5, 6))
+    kw.update(change)
+    return rope.hf.apply_rotary_pos_emb_single, kw
+
+
+def hf_glm_args(**change):
+    b, h, s, d = 2, 3, 5, 8
+    kw = dict(q=_r(b, h, s, d), k=_r(b, 1, s, d), cos=_r(b, s, 4), sin=_r(b, s, 4))
+    kw.update(change)
+    return rope.hf.apply_rotary_pos_emb_glm, kw
+
+
 def flash_args(**change):
     kw = dict(x=_r(2, 5, 3, 8), cos=_r(7, 3), sin=_r(7, 3))
     kw.update(change)
@@ -140,7 +153,24 @@ CASES = [
     ("hf: cos on another device", hf_args, dict(cos=torch.ones(2, 5, 8, device=OTHER_DEVICE)), "cos"),
     ("hf: k of another length", hf_args, dict(k=_r(2, 1, 4, 8)), "k"),
     ("hf: 3-D q", hf_args, dict(q=_r(2, 3, 5)), "q"),
-    ("hf: odd head dim", hf_args, dict(q=_r(2, 3, 5, 7), k=_r(2, 1, 5, 7), cos=_r(2, 5, 7), sin=_r(2, 5, 7)), "q"),
+    ("hf: odd rotary width", hf_args, dict(q=_r(2, 3, 5, 7), k=_r(2, 1, 5, 7), cos=_r(2, 5, 7), sin=_r(2, 5, 7)),
+     "cos"),
+    ("hf: cos wider than the head", hf_args, dict(cos=_r(2, 5, 10), sin=_r(2, 5, 10)), "cos"),
+    ("hf: cos of width 0", hf_args, dict(cos=_r(2, 5, 0), sin=_r(2, 5, 0)), "cos"),
+    ("hf mrope: sections over the head, cos of the rotary width", hf_mrope_args,
+     dict(cos=_r(3, 2, 5, 4), sin=_r(3, 2, 5, 4)), "mrope_section"),
+    ("hf single: x not a tensor", hf_single_args, dict(x=None), "x"),
+    ("hf single: 3-D x", hf_single_args, dict(x=_r(3, 5, 9)), "x"),
+    ("hf single: cos of another length", hf_single_args, dict(cos=_r(1, 4, 6), sin=_r(1, 4, 6)), "cos"),
+    ("hf single: odd rotary width", hf_single_args, dict(cos=_r(1, 5, 5), sin=_r(1, 5, 5)), "cos"),
+    ("hf single: cos wider than the head", hf_single_args, dict(cos=_r(1, 5, 10), sin=_r(1, 5, 10)), "cos"),
+    ("hf single: 2-D cos", hf_single_args, dict(cos=_r(5, 6), sin=_r(5, 6)), "cos"),
+    ("hf single: sin of another shape", hf_single_args, dict(sin=_r(1, 5, 4)), "sin"),
+    ("hf single: unsqueeze_dim 0", hf_single_args, dict(unsqueeze_dim=0), "unsqueeze_dim"),
+    ("hf glm: odd rotary width", hf_glm_args, dict(cos=_r(2, 5, 3), sin=_r(2, 5, 3)), "cos"),
+    ("hf glm: cos wider than the head", hf_glm_args, dict(cos=_r(2, 5, 16), sin=_r(2, 5, 16)), "cos"),
+    ("hf glm: k of another head dim", hf_glm_args, dict(k=_r(2, 1, 5, 6)), "k"),
+    ("hf glm: unsqueeze_dim True", hf_glm_args, dict(unsqueeze_dim=True), "unsqueeze_dim"),
     ("hf: unsqueeze_dim 3", hf_args, dict(unsqueeze_dim=3), "unsqueeze_dim"),
     # flash-attention
     ("flash: odd rotary width table", flash_args, dict(cos=_r(7, 5), sin=_r(7, 5)), "cos"),
@@ -243,9 +273,10 @@ def test_cache_rejects_bad_tables():
 
 
 @pytest.mark.parametrize("args,change,name", [
-    (hf_args, dict(q=None), "q"), (hf_args, dict(k=None), "k"), (flash_args, dict(x=None), "x"),
+    (hf_args, dict(q=None), "q"), (hf_args, dict(k=None), "k"), (hf_single_args, dict(x=None), "x"),
+    (hf_glm_args, dict(k=None), "k"), (flash_args, dict(x=None), "x"),
     (vllm_args, dict(query=None), "query"), (vllm_args, dict(key="key"), "key"), (mrope_args, dict(t=None), "t"),
-], ids=["hf q", "hf k", "flash x", "vllm query", "vllm key", "mrope t"])
+], ids=["hf q", "hf k", "hf single x", "hf glm k", "flash x", "vllm query", "vllm key", "mrope t"])
 def test_a_tensor_argument_that_is_no_tensor_is_a_type_error(args, change, name):
     """docs/contract.md section 5: a tensor argument that is not a tensor raises TypeError, in every convention."""
     fn, kw = args(**change)

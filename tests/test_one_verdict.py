@@ -72,8 +72,8 @@ def _te(gen):
     return dict(freqs=_freqs(gen), start_positions=torch.randint(0, ROWS - S + 1, (B,), generator=gen).to(DEVICE))
 
 
-def _hf(gen, streams=False):
-    ang = (torch.rand(*((3,) if streams else ()), B, S, D // 2, generator=gen) * 6).to(DEVICE)
+def _hf(gen, streams=False, width=D):
+    ang = (torch.rand(*((3,) if streams else ()), B, S, width // 2, generator=gen) * 6).to(DEVICE)
     ang = torch.cat([ang, ang], dim=-1)
     kw = dict(cos=ang.cos(), sin=ang.sin())
     if streams:
@@ -109,6 +109,11 @@ ENTRIES = {
     "te-qk": Entry(rope.apply_rotary_pos_emb_qk, ("q", "k"), ((S, B, H, D), (S, B, 1, D)), _te, "start_positions",
                    "freqs", ("interleaved", "inplace"), "kw"),
     "hf": Entry(rope.hf.apply_rotary_pos_emb, ("q", "k"), ((B, H, S, D), (B, 1, S, D)), _hf, None, None, (), None),
+    # partial rotary (tables of half the head) through the one-tensor and GLM's forms
+    "hf-single": Entry(rope.hf.apply_rotary_pos_emb_single, ("x",), ((B, H, S, D),), lambda gen: _hf(gen, width=D // 2),
+                       None, None, (), None),
+    "hf-glm": Entry(rope.hf.apply_rotary_pos_emb_glm, ("q", "k"), ((B, H, S, D), (B, 1, S, D)),
+                    lambda gen: _hf(gen, width=D // 2), None, None, (), None),
     "hf-mrope": Entry(rope.hf.apply_multimodal_rotary_pos_emb, ("q", "k"), ((B, H, S, D), (B, 1, S, D)),
                       lambda gen: _hf(gen, True), None, None, ("mrope_interleaved",), None),
     "flash": Entry(rope.flash.apply_rotary_emb, ("x",), ((B, S, H, D),), _flash, "seqlen_offsets", "cos",
