@@ -13,9 +13,10 @@ def broadcast(freqs_cis):
 
 
 def pairs(x, dtype=torch.float32):
-    """x's channels (2i, 2i + 1) as complex numbers (x converted to `dtype` first; contiguous, as view_as_complex
-    needs even strides and offsets, which a padded view may not have)."""
-    return torch.view_as_complex(x.to(dtype).contiguous().reshape(*x.shape[:-1], x.shape[-1] // 2, 2))
+    """x's channels (2i, 2i + 1) as complex numbers (x converted to `dtype` first, into new memory: view_as_complex
+    needs even strides and offsets, which a padded view, even an empty one, may not have)."""
+    x = x.to(dtype).clone(memory_format=torch.contiguous_format)
+    return torch.view_as_complex(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2))
 
 
 def rotated(x, f, out_dtype=None):
@@ -85,6 +86,14 @@ def sin_rows_shifted(xq, xk, freqs_cis):
     return rotated(xq, f), rotated(xk, f)
 
 
+def per_token_first_position(xq, xk, freqs_cis):
+    """Per-token freqs_cis [b, s, d/2] read as a decode step's [b, 1, d/2]: every token gets position 0's row."""
+    f = broadcast(freqs_cis)
+    if freqs_cis.dim() == 3:
+        f = f[:, :1]
+    return rotated(xq, f), rotated(xk, f)
+
+
 class _NotConjugated(torch.autograd.Function):
     """The backward multiplies the upstream gradient by freqs_cis instead of its conjugate."""
 
@@ -115,5 +124,6 @@ BUGS = {
     "x_rounded_to_bf16": (x_rounded_to_bf16, ("forward",)),
     "freqs_rounded_to_x_dtype": (freqs_rounded_to_x_dtype, ("forward",)),
     "sin_rows_shifted": (sin_rows_shifted, ("forward", "pair_norms", "conj_undoes")),
+    "per_token_first_position": (per_token_first_position, ("forward", "shared_rows_per_token")),
     "backward_not_conjugated": (backward_not_conjugated, ("backward",)),
 }

@@ -1,0 +1,41 @@
+"""torchtitan's CosSinRoPE (spec/torchtitan_common.py has what both conventions share):
+    CosSinRoPE.forward(query, key, positions=None), its `cache` buffer passed in: fn(query, key, cache, positions)
+cache [rows, 2H] = cat(cos, sin), each full width (torchtitan builds both halves of each from the same H/2 angles);
+out = query * cos + rotate_half(query) * sin on query.float(), pairs (i, i + H/2), rounded once (type_as). The
+formula reads one cos and one sin per channel, which the suite draws unequal too.
+"""
+from __future__ import annotations
+
+import torch
+
+from .torchtitan_common import INVARIANTS, TorchTitan
+
+
+class CosSin(TorchTitan):
+    NAME = "torchtitan-cossin"
+    INTERLEAVED = False
+    CAPS = {
+        **TorchTitan.CAPS,
+        "table_dtypes": (True, "a cache in float16/bfloat16 (query's dtype), not only float32"),
+        "elementwise_tables": (True, "cos/sin whose two halves differ (the formula reads one per channel)"),
+    }
+
+    def table_dtypes(self, caps, dtype):
+        return (torch.float32, dtype) if caps["table_dtypes"] else (torch.float32,)
+
+    def cache(self, arena, p):
+        theta = arena.angles((p.rows, p.h // 2))
+        theta = torch.cat([theta, theta if p.equal_halves else arena.angles(theta.shape)], dim=-1)
+        return arena.place(torch.cat([torch.cos(theta), torch.sin(theta)], dim=-1).to(p.table_dtype), p.cache_layout)
+
+    def tables64(self, cache64):
+        h = cache64.shape[-1] // 2
+        return cache64[:, :h], cache64[:, h:]
+
+    def inverse_cache(self, cache):
+        h = cache.shape[-1] // 2
+        return torch.cat([cache[:, :h], -cache[:, h:]], dim=-1)
+
+
+CosSin.INVARIANTS = INVARIANTS
+CONVENTION = CosSin()
