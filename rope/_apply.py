@@ -28,6 +28,38 @@ class _RoPEFunction(torch.autograd.Function):
         return None, *rotate_all(ctx.state, grads, True)
 
 
+class _LeafWritten(torch.autograd.Function):
+    """In place on a leaf that requires grad, as flash-attention's autograd Function does it: the forward writes
+    the leaf and returns it without marking it dirty (autograd refuses to mark a leaf that requires grad), so
+    autograd hands back a new tensor object over the leaf's memory carrying this node; the leaf stays a leaf, and
+    its gradient is the inverse rotation of the upstream one. The leaf has no history that the write could make
+    stale, and a rotation's backward reads no saved input, so the gradient is exact. The version counter advances
+    as for any in-place write, so that a graph which saved the leaf's old values refuses its backward instead of
+    reading the rotated ones."""
+
+    @staticmethod
+    def forward(ctx, rotate, x):
+        ctx.rotate = rotate
+        rotate(x, False)
+        torch.autograd.graph.increment_version(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, ctx.rotate(grad, True)
+
+
+def write_leaf(x, rotate):
+    """x (a leaf that requires grad) rotated in its memory by rotate(x, False); returns a new tensor over x's memory
+    whose backward is rotate(grad, True), a new tensor (the upstream gradient is left as it is)."""
+    return _LeafWritten.apply(rotate, x)
+
+
+def leaf_written(x, inplace) -> bool:
+    """Whether an in-place call on x takes `write_leaf` (autograd records it, and x is a leaf that requires grad)."""
+    return inplace and torch.is_grad_enabled() and x.requires_grad and x.is_leaf
+
+
 def rotate_all(state, ts, backward):
     """Rotate ts (t, or q and k), or their gradients, with the call's `state`; returns a tuple."""
     call, angles, start_positions, token_index, pos_table, inplace = state
@@ -40,6 +72,8 @@ def rotate_all(state, ts, backward):
 def apply(ts, call, angles, start_positions=None, token_index=None, pos_table=False, inplace=False):
     """Rotated ts (a tuple: t, or q and k), differentiable in ts where autograd records."""
     state = (call, angles, start_positions, token_index, pos_table, inplace)
+    if len(ts) == 1 and leaf_written(ts[0], inplace):
+        return (write_leaf(ts[0], lambda t, backward: rotate_all(state, (t,), backward)[0]),)
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         if inplace and len(ts) > 1 and (ts[0]._is_view() or ts[1]._is_view()):
             # Autograd rebases the history of a view written in place only for a Function of one output

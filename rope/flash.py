@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._apply import apply, kernel_runs
+from ._apply import apply, kernel_runs, leaf_written, write_leaf
 from ._launch import Angles, token_index_for
 from ._validate import (
     Call,
@@ -30,7 +30,9 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
                      max_seqlen=None):
     """flash-attention's `apply_rotary_emb`: a new tensor, or x itself with inplace=True. cos/sin may be
     float32, float16 or bfloat16 whatever x's dtype (math in float32, one rounding). `max_seqlen` is
-    not needed (positions are checked against seqlen_ro instead). The gradient flows to x."""
+    not needed (positions are checked against seqlen_ro instead). The gradient flows to x. In place on a leaf
+    that requires grad, as flash's autograd Function: x written, a new tensor over x's memory returned, x.grad
+    the inverse rotation of the upstream gradient (docs/contract.md, 7a)."""
     fmt = "bshd" if cu_seqlens is None else "thd"
     check_float_tensor("x", x)
     if x.dim() != (4 if fmt == "bshd" else 3):
@@ -67,13 +69,18 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
             raise ValueError(f"seqlen_offsets: expected one offset per sequence ({n_seqs if fmt == 'thd' else b}), "
                              f"got shape {tuple(start.shape)}")
     if inplace:
-        check_inplace("x", x)
+        check_inplace("x", x, leaf_written=True)
     layout = Layout(s, b, x.shape[-2], d, rot, rows, n_seqs)
     names = ("cos", "seqlen_offsets")  # for the messages of the position checks
     if not kernel_runs(x):
         check_positions(layout, fmt, start, cu_seqlens, 1, 0, names)
         pos = reference.token_positions(layout, fmt, start, cu_seqlens, 1, 0, x.device)
         full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
+        if leaf_written(x, inplace):
+            def rotate(t, backward):  # backward: the inverse rotation, -sin (exact), into a new tensor
+                out = reference.rotate_rows(t, full[0], -full[1] if backward else full[1], pos, fmt, interleaved)
+                return out if backward else t.copy_(out)
+            return write_leaf(x, rotate)
         out = reference.rotate_rows(x, *full, pos, fmt, interleaved)
         return x.copy_(out) if inplace else out
     if cos.stride() != sin.stride():

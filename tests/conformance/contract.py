@@ -49,8 +49,10 @@ def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same elements in the same places: data pointer, shape and strides."""
-    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
+    """The same elements in the same places: data pointer, shape and strides (but a dim of size 1, whose stride
+    addresses nothing: autograd returns an unmarked input as `view_as` of it, which may restride such a dim)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and
+                      all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True)))
 
 
 class Snapshot:
