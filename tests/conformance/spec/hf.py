@@ -74,7 +74,7 @@ class HF(Convention):
     def plans(self, caps):
         lim = dict(b=2, h=3, s=5, dims=(2, 4, 6, 8, 12, 16), odd=(5, 9)) if small() else \
             dict(b=4, h=32, s=512, dims=(2, 6, 64, 80, 96, 128, 256), odd=(81,))
-        # A subclass with a rotary width of its own (Liger's `rot`) draws even heads only; odd heads need partial rotary.
+        # A subclass with a rotary width of its own (Liger's `rot`) draws even heads only: odd ones need partial rotary.
         own_width = type(self).table_width is HF.table_width
         partial = caps.get("partial", False)
 

@@ -5,8 +5,8 @@
 cos, sin [3, b or 1, s, r]: one table per position stream (temporal, height, width), each cat(theta, theta) as
 the model's rotary module builds it; mrope_section: rotary pairs per stream, summing to r/2 (the list doubled
 covers both halves, so pair (i, i + r/2) reads one stream at both of its channels). r = cos.shape[-1] is the
-rotary width: channels r.. pass through (partial rotary, as in spec/hf.py; r = d in Qwen2-VL). q, k as in spec/hf.py. New
-tensors in torch's promotion of q's and cos's dtypes; the gradient flows to q and k.
+rotary width: channels r.. pass through (partial rotary, as in spec/hf.py; r = d in Qwen2-VL). q, k as in
+spec/hf.py. New tensors in torch's promotion of q's and cos's dtypes; the gradient flows to q and k.
 
 The section helpers here (the stream each pair reads, the sections a strategy draws, the selection of a
 per-channel table out of three) are shared by the other multimodal conventions (qwen3vl-mrope, vllm-mrope,

@@ -38,7 +38,8 @@ def heads_together(conv, fn, caps, plan):
         return
     (whole,) = call(fn, case)
     cut = 1 + plan.seed % (x.shape[dim] - 1)
-    for part, idx in ((x.narrow(dim, 0, cut), slice(0, cut)), (x.narrow(dim, cut, x.shape[dim] - cut), slice(cut, None))):
+    rest = x.shape[dim] - cut
+    for part, idx in ((x.narrow(dim, 0, cut), slice(0, cut)), (x.narrow(dim, cut, rest), slice(cut, None))):
         (got,) = call(fn, case, x=part)
         want = whole[:, idx] if dim == 1 else whole[:, :, idx]
         assert_bitwise(f"heads {idx.start or 0}..{idx.stop or x.shape[dim]} alone, against the same heads of the "

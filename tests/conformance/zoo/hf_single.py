@@ -10,7 +10,8 @@ from .hf import pairs_at_head_half as _pairs_at_head_half
 
 
 def correct(x, cos, sin, unsqueeze_dim=1):
-    return _embed(x, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim), torch.promote_types(x.dtype, cos.dtype))
+    out = torch.promote_types(x.dtype, cos.dtype)
+    return _embed(x, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim), out)
 
 
 def whole_head(x, cos, sin, unsqueeze_dim=1):
