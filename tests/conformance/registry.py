@@ -33,6 +33,8 @@ NAMED = {
         "vllm-mrope": (("rope.vllm:mrotary_embedding",), {}),
         "mrope": (("rope.mrope:apply_multimodal_rotary_pos_emb",), {}),
         "te-qkv": (("rope:apply_fused_qkv_rotary_pos_emb",), {}),
+        "qknorm": (("rope.qknorm:apply",), {}),
+        "vllm-qknorm": (("rope.qknorm:fused_qk_norm_rope",), {}),
         "meta": (("rope.meta:apply_rotary_emb",), {}),
         "torchtitan-complex": (("rope.torchtitan:complex_rope",), {}),
         "torchtitan-cossin": (("rope.torchtitan:cossin_rope",), {}),
@@ -59,7 +61,11 @@ NAMED = {
     # vLLM's CUDA op: the cache in query's dtype, contiguous cache rows and int64 positions, math in query's dtype
     "vllm": {"vllm": (("vllm._custom_ops:rotary_embedding",),
                       {"cache_dtypes": "query", "strided_cache": False, "strided_positions": False,
-                       "int32_positions": False, "accuracy": "dtype"})},
+                       "int32_positions": False, "accuracy": "dtype"}),
+             # its fused QK norm + RoPE: contiguous qkv, weights in qkv's dtype, int64 positions, head_dim 64/128/256
+             "vllm-qknorm": (("vllm._custom_ops:fused_qk_norm_rope",),
+                             {"weight_dtypes": "qkv", "strides": False, "int32_positions": False,
+                              "head_dims": (64, 128, 256)})},
     # TE asserts contiguous qkv and freqs, and refuses start_positions with context parallelism; its kernel reads
     # start_positions as int32 and takes v's width as the head width of q and k (fused_rope.cu), neither checked;
     # its backward has no start_positions (TE documents them as inference only)
