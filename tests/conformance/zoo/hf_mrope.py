@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from .hf import _embed
-from .hf import pairs_at_head_half as _pairs_at_head_half
 from .hf import _SignFlippedBackward as _SelfAdjoint
+from .hf import pairs_at_head_half as _pairs_at_head_half
 
 
 def select_sections(cos, mrope_section):
