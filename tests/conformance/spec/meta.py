@@ -79,6 +79,7 @@ class Meta(Convention):
         "strides": (True, "views: xq, xk permuted and padded; freqs_cis sliced, permuted or expanded"),
         "backward": (True, "gradients for xq and xk"),
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
+        "in_place": (False, "may write xq's and xk's memory with the result and return it (Liger's llama4 kernel)"),
     }
 
     def plans(self, caps):
@@ -111,6 +112,8 @@ class Meta(Convention):
         return ComplexCase(p, dict(xq=xq, xk=xk, freqs_cis=freqs), 3, arena.buffers, complex_args=("freqs_cis",))
 
     def effects(self, case):
+        if case.caps.get("in_place"):
+            return ("xq", "xk"), (Returned("xq", "xq", same=False), Returned("xk", "xk", same=False))
         return (), (Returned("xq"), Returned("xk"))
 
     def define(self, case, x64):
@@ -138,8 +141,13 @@ def with_table(plan, table: str):
 
 
 def call(fn, case, **overrides):
+    """fn on the case's arguments, `overrides` replacing some; xq and xk as copies where the target may write them,
+    so that one case serves several calls."""
+    args = {**case.args, **overrides}
+    if case.caps.get("in_place"):
+        args = {n: v.clone() if n in ("xq", "xk") else v for n, v in args.items()}
     with torch.no_grad():
-        return replace(case, args={**case.args, **overrides}).call(fn)
+        return replace(case, args=args).call(fn)
 
 
 def _model(caps):

@@ -8,8 +8,6 @@ ComplexCase), so that the oracle reads the table's float32 parts as given.
 """
 from __future__ import annotations
 
-import torch
-
 from .meta import ComplexCase, complex_table, per_channel
 from .torchtitan_common import INVARIANTS, TorchTitan
 
