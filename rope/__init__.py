@@ -1,7 +1,8 @@
 """rope: rotary position embedding in Triton, with TransformerEngine's API and semantics, and the
 conventions of transformers (`rope.hf`), flash-attention (`rope.flash`) and vLLM (`rope.vllm`), and
-multimodal RoPE (`rope.mrope`, and in `rope.hf` and `rope.vllm`)."""
-from . import flash, hf, mrope, reference, vllm
+multimodal RoPE (`rope.mrope`, and in `rope.hf` and `rope.vllm`), Meta's Llama (`rope.meta`) and
+torchtitan (`rope.torchtitan`)."""
+from . import flash, hf, meta, mrope, reference, torchtitan, vllm
 from ._table import set_angle_table
 from ._validate import set_value_checks
 from .cache import RoPECache
@@ -11,5 +12,6 @@ from .functional import apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb, ap
 __all__ = [
     "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "apply_fused_qkv_rotary_pos_emb", "RotaryPositionEmbedding",
     "RoPECache", "reference", "set_angle_table", "set_value_checks", "hf", "flash", "vllm", "mrope",
+    "meta", "torchtitan",
 ]
 __version__ = "0.2.0"
