@@ -90,7 +90,7 @@ def check_packed(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim):
                          f"[T, {width}], got {tuple(qkv.shape)}")
     if qkv.stride(1) != 1:
         raise ValueError(f"qkv: expected unit channel stride, got strides {tuple(qkv.stride())}")
-    t, hd = qkv.shape[0], head_dim
+    hd = head_dim
     q = qkv[:, :num_heads_q * hd].unflatten(1, (num_heads_q, hd))
     k = qkv[:, num_heads_q * hd:(num_heads_q + num_heads_k) * hd].unflatten(1, (num_heads_k, hd))
     check_disjoint(q, k, ("qkv", "qkv"))

@@ -61,8 +61,8 @@ def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interle
     b, s, hq, d = qv.shape
     rot = cos.shape[-1]
     if not kernel_runs(q):
-        view = (lambda t: t.unsqueeze(unsqueeze_dim))
-        return tuple(reference_norm_rope(x, w, eps, gemma, view(cos), view(sin), interleaved)
+        c, s_ = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return tuple(reference_norm_rope(x, w, eps, gemma, c, s_, interleaved)
                      for x, w in ((q, q_weight), (k, k_weight)))
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
