@@ -66,7 +66,5 @@ def complex_tables(freqs_cis, x, x_name: str, name: str = "freqs_cis"):
                         f"{freqs_cis.dtype}")
     if freqs_cis.device != x.device:
         raise ValueError(f"{name}: expected the device of {x_name} ({x.device}), got {freqs_cis.device}")
-    if freqs_cis.is_conj() or freqs_cis.is_neg():
-        freqs_cis = freqs_cis.resolve_conj().resolve_neg()
-    parts = torch.view_as_real(freqs_cis)
+    parts = torch.view_as_real(freqs_cis.resolve_conj().resolve_neg())  # each the tensor itself unless its bit is set
     return parts[..., 0], parts[..., 1]
