@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import rope._apply
+import rope._launch
 import rope.meta
 import rope.torchtitan
 
@@ -194,3 +195,15 @@ def test_prepared_cache_forms(conv):
     for bad, exc in ((prepared[:, 0], ValueError), (prepared[1:], ValueError), (prepared.tolist(), TypeError)):
         with pytest.raises(exc, match="^rope_cache: "):
             static(args["query"], args["key"], bad)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the kernel path is the only one")
+@pytest.mark.parametrize("conv", list(ENTRY))
+@pytest.mark.parametrize("reference", [True, False])
+def test_one_switch_decides(conv, reference):
+    """rope._apply.on_kernel_device decides for these entry points too: the reference path launches nothing, the
+    kernel path launches."""
+    args = meta_args(_gen(9)) if conv == "meta" else titan_args(_gen(9), conv == "cossin")
+    with path(reference), mock.patch.object(rope._launch, "run", wraps=rope._launch.run) as launches:
+        ENTRY[conv](**args)
+    assert bool(launches.call_count) is not reference, f"{conv}: {launches.call_count} launches"
