@@ -3,8 +3,10 @@
 forward(conv, fn, caps, plan): the call's outputs (returned, and written in place) within the accuracy model of
     the float64 definition; the promised objects returned; nothing else written (contract.py).
 backward(conv, fn, caps, plan): the differentiable arguments given as views of tensors that require grad (as
-    a projection's q and k are), random upstream gradients on every output; each gradient within the accuracy
-    model of the float64 definition's vector-Jacobian product; the upstream gradients left as they were.
+    a projection's q and k are), or as leaves that require grad where the convention says so (conv.leaf_args: then
+    the call must accept them, and its outputs are checked as the forward's too), random upstream gradients on every
+    output; each gradient within the accuracy model of the float64 definition's vector-Jacobian product; the
+    upstream gradients left as they were.
 inverse(conv, fn, caps, plan): the convention's own call with the angles negated undoes the first (oracle-free).
 """
 from __future__ import annotations
@@ -78,13 +80,24 @@ def backward(conv, fn, caps, plan):
     case = make_case(conv, caps, conv.backward_plan(plan, caps))
     names = [n for n in conv.DIFFERENTIABLE if case.args.get(n) is not None]
     x64 = inputs64(case, grad=names)
-    leaves = {}
-    for n in names:  # the argument stays a view in its layout, now of a tensor in the graph
+    leaves, own = {}, conv.leaf_args(case)
+    for n in names:  # the argument stays a view in its layout, now of a tensor in the graph, or is the leaf itself
+        if n in own:
+            leaves[n] = case.args[n].requires_grad_()
+            continue
         leaves[n] = case.args[n].detach().clone().requires_grad_()
         case.args[n].copy_(leaves[n])
-    result = case.call(fn)
+    try:
+        result = case.call(fn)
+    except (TypeError, ValueError, RuntimeError) as e:
+        if not own:
+            raise
+        raise AssertionError(f"backward: the call refused {', '.join(own)} as a leaf that requires grad: "
+                             f"{type(e).__name__}: {e}") from e
     got, _ = outputs(conv, case, result)
     expect = conv.define(case, x64)
+    if own:  # what a leaf's call wrote and returned, as the forward property checks it without autograd
+        compare(conv, case, expect, got, "backward (the forward on a leaf):")
     gen = torch.Generator().manual_seed(plan.seed + 1)
     ups = {n: torch.randn(tuple(got[n].shape), generator=gen, dtype=torch.float64).to(got[n].dtype)
            .to(got[n].device) for n in expect}

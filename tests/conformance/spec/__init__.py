@@ -86,6 +86,12 @@ class Convention:
         """The plan as the backward property runs it (a target may support less in backward than in forward)."""
         return plan
 
+    def leaf_args(self, case: Case) -> tuple:
+        """The differentiable arguments the backward property passes as leaves that require grad themselves (a
+        convention that writes such a leaf in place, as flash-attention's inplace=True does); the others are views
+        of a tensor in the graph."""
+        return ()
+
     def grad_of(self, case: Case, arg: str) -> str:
         """The output whose upstream gradient arg's gradient rotates back (for the accuracy scale)."""
         return arg

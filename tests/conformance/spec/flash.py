@@ -7,7 +7,9 @@ per pair, half-split pairs (i, i + rotary_dim / 2) or, interleaved, (2i, 2i + 1)
 copied. Token j of sequence i reads row j + seqlen_offsets (an int, or a [b] int32/int64 tensor: one per sequence);
 flash asserts seqlen_ro >= seqlen (max_seqlen for varlen) and, for an int, offset + seqlen <= seqlen_ro. The result
 has x's dtype: a new tensor, or x itself written in place with inplace=True. The gradient flows to x (its backward is
-the rotation by -theta).
+the rotation by -theta). In place on a leaf that requires grad, flash's autograd Function writes x and returns it
+without marking it dirty: autograd hands back a new tensor over x's memory, and x.grad is the rotation by -theta of
+the upstream gradient (the backward property draws such a leaf: x's memory written and returned, x.grad correct).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class Plan(NamedTuple):
     cos_layout: Layout
     sin_layout: Layout
     offsets_layout: Layout
+    leaf: bool = False  # with inplace, the backward property passes x as a leaf that requires grad
 
 
 def limits():
@@ -68,6 +71,8 @@ class Flash(Convention):
         "float32_tables": (True, "cos/sin in float32 with 16-bit x (flash-attention asserts x's dtype)"),
         "interleaved": ((False, True), "the pairings: half-split (False), interleaved (True)"),
         "inplace": (True, "inplace=True: x written and returned"),
+        "inplace_leaf": (True, "inplace=True on x a leaf that requires grad (backward): x written, its memory "
+                               "returned, x.grad the inverse rotation of the upstream gradient"),
         "tensor_offsets": (True, "seqlen_offsets as a [b] int32/int64 tensor, one offset per sequence"),
         "varlen": (True, "x [total, h, d] with cu_seqlens and max_seqlen"),
         "empty_sequences": (True, "varlen sequences of length 0 (equal consecutive cu_seqlens)"),
@@ -104,13 +109,15 @@ class Flash(Convention):
             rows = rows_needed(varlen, lengths, max_seqlen, offsets) + draw(st.sampled_from((0, 0, 1, 3)))
             strides = caps["strides"]
             ndim = 3 if varlen else 4
+            inplace = draw(st.booleans()) if caps["inplace"] else False
             return Plan(
                 draw(seeds()), dtype, table_dtype, varlen, lengths, draw(st.integers(1, lim["h"])), d, rot,
-                draw(st.sampled_from(caps["interleaved"])), draw(st.booleans()) if caps["inplace"] else False,
+                draw(st.sampled_from(caps["interleaved"])), inplace,
                 offsets, draw(st.sampled_from((torch.int32, torch.int64))), rows, max_seqlen,
                 draw(layouts(ndim)) if strides else contiguous(ndim),
                 draw(layouts(2)) if strides else contiguous(2), draw(layouts(2)) if strides else contiguous(2),
-                draw(layouts(1)) if strides else contiguous(1))
+                draw(layouts(1)) if strides else contiguous(1),
+                draw(st.booleans()) if inplace and caps["inplace_leaf"] else False)
 
         return draw()
 
@@ -130,6 +137,9 @@ class Flash(Convention):
             args["cu_seqlens"] = arena.place(starts)
             args["max_seqlen"] = p.max_seqlen
         return Case(p, args, 3, arena.buffers)
+
+    def leaf_args(self, case):
+        return ("x",) if case.plan.inplace and case.plan.leaf else ()
 
     def effects(self, case):
         if case.plan.inplace:

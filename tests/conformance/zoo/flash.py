@@ -34,8 +34,29 @@ def rotated(x, cos, sin, rows, interleaved, math_dtype=torch.float32, sign=1.0):
     return torch.cat([out, xm[..., rot:]], dim=-1).to(x.dtype)
 
 
+class _WriteLeaf(torch.autograd.Function):
+    """In place on a leaf that requires grad, as flash's autograd Function does it: x written and returned unmarked
+    (autograd hands back a new tensor over x's memory); the upstream gradient goes on to `out`, whose graph (from x's
+    values before the write; it saves none of them) rotates it back to x."""
+
+    @staticmethod
+    def forward(ctx, x, out):
+        return x.copy_(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g
+
+
+def on_leaf(x, inplace):
+    return inplace and torch.is_grad_enabled() and x.requires_grad and x.is_leaf
+
+
 def finish(x, out, inplace):
-    """The result as the convention returns it: x itself written with inplace=True, else the new tensor."""
+    """The result as the convention returns it: x written with inplace=True (itself, or on a leaf that requires grad
+    a new tensor over its memory), else the new tensor."""
+    if on_leaf(x, inplace):
+        return _WriteLeaf.apply(x, out)
     return x.copy_(out) if inplace else out
 
 
@@ -156,6 +177,69 @@ def backward_not_conjugated(x, cos, sin, interleaved=False, inplace=False, seqle
     return finish(x, _NotConjugated.apply(x, cos, sin, rows, interleaved), inplace)
 
 
+# ---- in place on a leaf that requires grad (the backward property draws x as one) ----------------------------
+
+
+def leaf_returns_new(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                     max_seqlen=None):
+    """In place on a leaf that requires grad: x left as it was, a new tensor returned (the write skipped where
+    autograd would refuse it)."""
+    out = rotated(x, cos, sin, token_rows(x, seqlen_offsets, cu_seqlens), interleaved)
+    return out if on_leaf(x, inplace) else finish(x, out, inplace)
+
+
+def leaf_refused(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None):
+    """In place on a leaf that requires grad refused, as autograd refuses an in-place op on one."""
+    if on_leaf(x, inplace):
+        raise ValueError("x: in-place rotation of a leaf tensor that requires grad")
+    return correct(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
+
+
+def leaf_outside_graph(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                       max_seqlen=None):
+    """In place on a leaf that requires grad: x written under no_grad and returned detached (no gradient reaches x)."""
+    if on_leaf(x, inplace):
+        with torch.no_grad():
+            return correct(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen).detach()
+    return correct(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
+
+
+class _FlashInPlace(torch.autograd.Function):
+    """flash-attention's own autograd Function: x written and returned unmarked with inplace=True; its backward
+    rotates the upstream gradient by `sign` * theta (-1: the inverse), with `write_grad` into the upstream gradient
+    itself."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, rows, interleaved, inplace, sign, write_grad):
+        ctx.save_for_backward(cos, sin, rows)
+        ctx.interleaved, ctx.sign, ctx.write_grad = interleaved, sign, write_grad
+        out = rotated(x, cos, sin, rows, interleaved)
+        return x.copy_(out) if inplace else out
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin, rows = ctx.saved_tensors
+        dx = rotated(g, cos, sin, rows, ctx.interleaved, sign=ctx.sign)
+        return (g.copy_(dx) if ctx.write_grad else dx), *(None,) * 7
+
+
+def backward_writes_upstream(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                             max_seqlen=None):
+    """With inplace=True the backward writes the rotated gradient into the upstream gradient (flash's own
+    `apply_rotary(do, ..., inplace=ctx.inplace)`): the caller's gradient tensor changes."""
+    rows = token_rows(x, seqlen_offsets, cu_seqlens)
+    return _FlashInPlace.apply(x, cos, sin, rows, interleaved, inplace, -1.0, inplace)
+
+
+def leaf_backward_forward_rotation(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                                   max_seqlen=None):
+    """In place on a leaf that requires grad (its own backward), the gradient rotated by +theta, not -theta."""
+    if on_leaf(x, inplace):
+        rows = token_rows(x, seqlen_offsets, cu_seqlens)
+        return _FlashInPlace.apply(x, cos, sin, rows, interleaved, True, 1.0, False)
+    return correct(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
+
+
 CORRECT = correct
 BUGS = {
     "inplace_returns_new": (inplace_returns_new, ("forward", "inplace_equals_out_of_place")),
@@ -170,4 +254,9 @@ BUGS = {
     "math_in_x_dtype": (math_in_x_dtype, ("forward",)),
     "tables_rounded_to_x_dtype": (tables_rounded_to_x_dtype, ("forward",)),
     "backward_not_conjugated": (backward_not_conjugated, ("backward",)),
+    "leaf_returns_new": (leaf_returns_new, ("backward",)),
+    "leaf_refused": (leaf_refused, ("backward",)),
+    "leaf_outside_graph": (leaf_outside_graph, ("backward",)),
+    "backward_writes_upstream": (backward_writes_upstream, ("backward",)),
+    "leaf_backward_forward_rotation": (leaf_backward_forward_rotation, ("backward",)),
 }
