@@ -3,6 +3,7 @@ conventions of transformers (`rope.hf`), flash-attention (`rope.flash`) and vLLM
 multimodal RoPE (`rope.mrope`, and in `rope.hf` and `rope.vllm`), Meta's Llama (`rope.meta`) and
 torchtitan (`rope.torchtitan`)."""
 from . import flash, hf, meta, mrope, reference, torchtitan, vllm
+from ._memo import clear as clear_caches
 from ._table import set_angle_table
 from ._validate import set_value_checks
 from .cache import RoPECache
@@ -11,7 +12,7 @@ from .functional import apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb, ap
 
 __all__ = [
     "apply_rotary_pos_emb", "apply_rotary_pos_emb_qk", "apply_fused_qkv_rotary_pos_emb", "RotaryPositionEmbedding",
-    "RoPECache", "reference", "set_angle_table", "set_value_checks", "hf", "flash", "vllm", "mrope",
+    "RoPECache", "reference", "set_angle_table", "set_value_checks", "clear_caches", "hf", "flash", "vllm", "mrope",
     "meta", "torchtitan",
 ]
 __version__ = "0.2.0"

@@ -15,8 +15,10 @@ from typing import NamedTuple
 import torch
 import triton
 
+from . import _memo
+from ._cuda import raw_stream
 from ._kernel import rope_kernel, rope_qk_kernel, rope_qknorm_kernel
-from ._table import _raw_stream, cos_sin_table, token_positions
+from ._table import cos_sin_table, token_positions
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -77,7 +79,7 @@ def nan_outputs():
         empty = saved
 
 
-_SM_COUNT: dict = {}
+_SM_COUNT = _memo.memo("multiprocessor count per GPU", 64)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -339,7 +341,7 @@ def run(plan: Plan, pointers: tuple):
         # The compiled kernel's C launcher, called as Triton's runner calls it without launch metadata or
         # hooks: no binding, specialization or cache lookup. The plan's key fixes all it was specialized on.
         g0, g1, g2 = plan.grid
-        compiled.run(g0, g1, g2, _raw_stream(plan.device), compiled.function, compiled.packed_metadata,
+        compiled.run(g0, g1, g2, raw_stream(plan.device), compiled.function, compiled.packed_metadata,
                      None, None, None, *pointers, *plan.scalars)
         return
     if compiled is not None:  # a profiler's launch hooks are set: take Triton's path, which calls them

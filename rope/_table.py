@@ -19,9 +19,11 @@ import weakref
 
 import torch
 
+from . import _memo
+from ._cuda import capturing, raw_stream
+
 _ENABLED = [True]
-_TABLES: dict = {}
-_MAX_TABLES = 32  # distinct live `freqs` tensors kept; more than a model has at once
+_TABLES = _memo.memo("cos/sin and position tables", 32)  # distinct live sources kept; more than a model has at once
 
 
 def set_angle_table(enabled: bool) -> None:
@@ -44,20 +46,6 @@ def evaluated():
         yield
     finally:
         _ENABLED[0] = saved
-
-
-_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
-
-
-def capturing_on(device_index) -> bool:
-    """Whether the current stream of that GPU is capturing a CUDA graph."""
-    return _capturing(_raw_stream(device_index))
-
-
-def _capturing(raw_stream) -> bool:
-    # CUDA refuses to capture on the legacy default stream, where eager code runs: there the answer
-    # is known without asking CUDA (which costs about 10 µs per call on that stream).
-    return raw_stream != 0 and torch.cuda.is_current_stream_capturing()
 
 
 def _build(freqs: torch.Tensor, freqs_len: int, rot_dim: int):
@@ -102,8 +90,8 @@ def _cached(src: torch.Tensor, key, build, *args):
         return None
     stream = None
     if src.is_cuda:
-        stream = _raw_stream(src.get_device())
-        if _capturing(stream):
+        stream = raw_stream(src.get_device())
+        if capturing(stream):
             return None
     entry = _TABLES.get(key)
     # An entry is only ever made for a tensor that is not an inference tensor (below), so one that
@@ -115,11 +103,9 @@ def _cached(src: torch.Tensor, key, build, *args):
     if src.is_inference():
         return None
     memory, table = build(src, *args)
-    if len(_TABLES) >= _MAX_TABLES:
-        _TABLES.clear()
     # The entry goes when `src` does, so a table never outlives its source in memory.
     ref = weakref.ref(src, lambda _, key=key: _TABLES.pop(key, None))
-    _TABLES[key] = _Entry(ref, src, memory, table, stream)
+    _TABLES.put(key, _Entry(ref, src, memory, table, stream))
     return table
 
 

@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._table import capturing_on
+from . import _memo
+from ._cuda import capturing_on
 
 FORMATS = ("sbhd", "bshd", "thd")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -154,8 +155,7 @@ def _span(x: torch.Tensor) -> tuple:
     return lo, hi
 
 
-_DISJOINT: dict = {}
-_DISJOINT_MAX = 64
+_DISJOINT = _memo.memo("disjointness of q and k views", 64)
 
 
 def _same_stride_views_overlap(shape_q, shape_k, strides, delta) -> bool | None:
@@ -208,9 +208,7 @@ def check_disjoint(q: torch.Tensor, k: torch.Tensor, names: tuple = ("q", "k")) 
         strides = tuple(sq if nq > 1 else sk for sq, sk, nq in zip(q.stride(), k.stride(), q.shape, strict=True))
         same = all(sk == st for sk, st, nk in zip(k.stride(), strides, k.shape, strict=True) if nk > 1)
         overlap = not same or _same_stride_views_overlap(q.shape, k.shape, strides, delta) is not False
-        if len(_DISJOINT) >= _DISJOINT_MAX:
-            _DISJOINT.clear()
-        _DISJOINT[key] = overlap
+        _DISJOINT.put(key, overlap)
     if overlap:
         raise ValueError(f"{names[1]}: in-place rotation of {names[0]} and {names[1]} that share memory (or whose "
                          f"strides differ, so that they cannot be shown not to); pass disjoint tensors")
@@ -274,8 +272,7 @@ def skip_value_checks(index: torch.Tensor) -> bool:
 # Index tensors whose values passed, by identity and version counter: every layer of a step (and q and
 # k) passes the same `cu_seqlens`/`start_positions`. A write PyTorch does not count (`.data`, DLPack, a
 # foreign kernel) is not checked again; the kernel's range guard remains.
-_PASSED: dict = {}
-_PASSED_MAX = 64
+_PASSED = _memo.memo("index tensors whose values passed", 64)
 
 
 def _stamp(x):
@@ -308,9 +305,7 @@ def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, 
     _check_position_values(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, *names)
     stamps = (_stamp(start_positions), _stamp(cu_seqlens))
     if False not in stamps:
-        if len(_PASSED) >= _PASSED_MAX:
-            _PASSED.clear()
-        _PASSED[key] = stamps
+        _PASSED.put(key, stamps)
 
 
 def _check_position_values(layout: Layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, table_name,
@@ -394,8 +389,8 @@ class Call:
 _OTHERS_MAX = 16
 
 
-_CALLS: dict = {}
-_CALLS_MAX = 4096  # packed batches change the token count every step: keep the memo bounded
+# packed batches change the token count every step: keep the memo bounded
+_CALLS = _memo.memo("checked signatures and their launch plans", 4096)
 
 
 def _index_key(x):
@@ -417,9 +412,7 @@ def checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
                               allow_float64=False, name=name)
         call = Call(layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank)
         if key is not None:
-            if len(_CALLS) >= _CALLS_MAX:
-                _CALLS.clear()
-            _CALLS[key] = call
+            _CALLS.put(key, call)
     return call
 
 
@@ -427,10 +420,7 @@ def call_for(key, make) -> Call:
     """The memoised `Call` of another convention's signature `key`; `make()` checks and builds it."""
     call = _CALLS.get(key)
     if call is None:
-        call = make()
-        if len(_CALLS) >= _CALLS_MAX:
-            _CALLS.clear()
-        _CALLS[key] = call
+        call = _CALLS.put(key, make())
     return call
 
 
@@ -474,9 +464,7 @@ def check_positions_in(positions, rows: int, name: str = "positions", table: str
                          f"[{lo}, {hi}]")
     stamp = _stamp(positions)
     if stamp is not False:
-        if len(_PASSED) >= _PASSED_MAX:
-            _PASSED.clear()
-        _PASSED[key] = (stamp,)
+        _PASSED.put(key, (stamp,))
 
 
 def check_mrope_section(mrope_section, pairs: int, mrope_interleaved, name: str = "mrope_section") -> tuple:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._table import capturing_on
+from ._cuda import capturing_on
 from ._validate import FLOAT_DTYPES
 
 

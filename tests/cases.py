@@ -96,7 +96,8 @@ def gpu_decomposition(monkeypatch):
     for large tensors (8 rows) also for the small ones of tests, so that groups span programs."""
     monkeypatch.setattr(rope._launch, "_INTERPRETER_TILE_ROWS", 0)
     monkeypatch.setattr(rope._launch, "_TABLE_ROWS_SMALL", rope._launch._TABLE_ROWS)
-    monkeypatch.setattr(rope._validate, "_CALLS", {})  # no plan made with the interpreter's tiles
+    # no plan made with the interpreter's tiles
+    monkeypatch.setattr(rope._validate, "_CALLS", rope._memo.Memo("plans of this test", 4096))
 
 
 @pytest.fixture(params=["table", "evaluated"])

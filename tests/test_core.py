@@ -407,11 +407,12 @@ def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomp
 def test_thd_many_sequences(fanout, cp, start, angle_source, monkeypatch, poison_outputs):  # noqa: F811
     # angle_source: with tables on, calls without start_positions read each token's position from
     # its table (tests/test_position_table.py); with them off every call searches cu_seqlens.
-    from rope import _launch, _validate
+    from rope import _launch, _memo, _validate
 
     if fanout is not None:
         monkeypatch.setattr(_launch, "_SEARCH_FANOUT", fanout)
-        monkeypatch.setattr(_validate, "_CALLS", {})  # plans made with the launcher's fanout
+        # plans made with the launcher's fanout
+        monkeypatch.setattr(_validate, "_CALLS", _memo.Memo("plans of this test", 4096))
     n_seqs = 3 * _launch._SEARCH_FANOUT + 5
     gen = torch.Generator().manual_seed(n_seqs + (cp or (1, 0))[0])
     t, freqs, g, kw = many_sequences_case(n_seqs, cp, start, torch.float32, gen)
