@@ -8,6 +8,7 @@ combination (a 16-bit dtype with an odd layout) is still drawn.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -92,21 +93,22 @@ def _first_forward_bug(name):
     return next(bug for bug, (_, props) in zoo(name).BUGS.items() if "forward" in props)
 
 
-@pytest.mark.parametrize("name", list(zoo_modules()))
-def test_through_rope_impl(name):
+def test_through_rope_impl():
     """As a user runs it: `pytest --rope-impl CONVENTION:module:callable` fails on a planted bug (exit status 1, the
-    forward property failed) and passes the correct implementation (exit status 0), in a pytest of its own."""
-    module = f"{__package__}.zoo.{name.replace('-', '_')}"
-    node = f"{Path(__file__).relative_to(ROOT).parent}/test_native.py::test_forward[{name}]"
+    forward property failed) and passes the correct implementation (exit status 0), in every convention; one
+    process runs each target in a pytest session of its own (cli_check.py)."""
+    targets = []
+    for name in zoo_modules():
+        module = f"{__package__}.zoo.{name.replace('-', '_')}"
+        targets += [f"{name}:{module}:{_first_forward_bug(name)}", f"{name}:{module}:{zoo(name).CORRECT.__name__}"]
     env = {**os.environ, "ROPE_MAX_EXAMPLES": "40"}
-
-    def run(fn_name):
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-                                f"--rope-impl={name}:{module}:{fn_name}", node], cwd=ROOT, capture_output=True,
-                               text=True, env=env, timeout=300)
-
-    bug = _first_forward_bug(name)
-    broken = run(bug)
-    assert broken.returncode == 1 and "1 failed" in broken.stdout, f"{name}: {bug} was not caught:\n{broken.stdout}"
-    correct = run(zoo(name).CORRECT.__name__)
-    assert correct.returncode == 0 and "1 passed" in correct.stdout, f"{name}: correct failed:\n{correct.stdout}"
+    done = subprocess.run([sys.executable, "-m", f"{__package__}.cli_check", *targets], cwd=ROOT, capture_output=True,
+                          text=True, env=env, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert done.returncode == 0 and lines, f"cli_check did not finish:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    results = {r["target"]: r for r in json.loads(lines[-1][len("RESULTS "):])}
+    for broken, correct in zip(targets[::2], targets[1::2], strict=True):
+        got = results[broken]
+        assert got["status"] == 1 and got["failed"] == 1, f"{broken} was not caught: {got}"
+        got = results[correct]
+        assert got["status"] == 0 and got["passed"] == 1, f"{correct} failed: {got}"
