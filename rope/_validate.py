@@ -123,7 +123,9 @@ def check_inplace(name: str, x: torch.Tensor, leaf_written: bool = False) -> Non
     `leaf_written`: the convention writes a leaf that requires grad as flash-attention does (`_apply.write_leaf`:
     the leaf keeps no history to rebase, the rotation's node goes on a new tensor over its memory); views of such a
     leaf stay refused, as autograd refuses to write them in place."""
-    if torch._debug_has_internal_overlap(x) == 1:
+    # Traced, the call runs PyTorch's own in-place operations, which functionalization checks (the overlap query has
+    # no graph).
+    if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(x) == 1:
         raise ValueError(f"{name}: in-place rotation needs a tensor whose elements do not overlap in memory "
                          f"(an expanded or stride-0 view was given, strides {tuple(x.stride())})")
     if x.requires_grad and torch.is_grad_enabled():
@@ -194,6 +196,8 @@ def check_disjoint(q: torch.Tensor, k: torch.Tensor, names: tuple = ("q", "k")) 
     programs, which would race). Separate buffers pass at once; views of one buffer (q and k sliced
     from a fused qkv projection) are decided exactly when they have the same strides, and refused
     when that cannot be shown (different strides)."""
+    if torch.compiler.is_compiling():  # traced: storage addresses have no graph (PyTorch's in-place ops run there)
+        return
     if q.numel() == 0 or k.numel() == 0 or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
         return
     (q_lo, q_hi), (k_lo, k_hi) = _span(q), _span(k)
@@ -292,8 +296,8 @@ def check_positions(layout: Layout, tensor_format, start_positions, cu_seqlens, 
     """Checks on the values of `cu_seqlens` and `start_positions` (one device-to-host copy, then
     none while the same tensors are passed again unmodified). `names`: what the caller's convention
     calls the angle table and the start positions, for the messages."""
-    if cu_seqlens is None and start_positions is None:
-        return
+    if (cu_seqlens is None and start_positions is None) or torch.compiler.is_compiling():
+        return  # traced: the memo below (a weak reference, a version counter) has no graph
     # Tensors that passed come first: the lookup is cheaper than asking whether a graph is being
     # captured, and a tensor that passed needs no copy, captured or not.
     key = (id(start_positions), id(cu_seqlens), layout, tensor_format, cp_size, cp_rank)
@@ -454,6 +458,8 @@ def check_token_positions(positions, n_tokens: int, x, x_name: str, name: str = 
 def check_positions_in(positions, rows: int, name: str = "positions", table: str = "cos_sin_cache") -> None:
     """Every position in [0, rows): one device-to-host copy per new or modified tensor, skipped while
     that would break a capture or trace (the kernel then writes NaN for a position outside)."""
+    if torch.compiler.is_compiling():  # the memo (a weak reference, a version counter) has no graph
+        return
     key = (id(positions), rows, name)
     seen = _PASSED.get(key)
     if (seen is not None and _still(seen[0], positions)) or positions.numel() == 0 or skip_value_checks(positions):

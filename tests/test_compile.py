@@ -130,3 +130,27 @@ def test_conventions_trace_as_the_reference():
     for got, want in zip(compiled(q, k, cos, sin, t, freqs, positions), step(q, k, cos, sin, t, freqs, positions),
                          strict=True):
         torch.testing.assert_close(got, want, rtol=2**-20, atol=2**-20)  # float32 evaluations of one map
+
+
+def test_traced_after_eager_with_the_same_index_tensors():
+    """An eager call first memoises that its positions passed the value checks; a traced call with the same tensors
+    must not consult that memo (a weak reference and a version counter have no graph), so no graph break."""
+    gen = torch.Generator().manual_seed(5)
+    query, key = torch.randn(5, 2 * 8, generator=gen).to(DEVICE), torch.randn(5, 8, generator=gen).to(DEVICE)
+    ang = torch.rand(9, 4, generator=gen) * 6
+    cache = torch.cat([ang.cos(), ang.sin()], -1).to(DEVICE)
+    positions = torch.randint(0, 9, (5,), generator=gen).to(DEVICE)
+    t = torch.randn(5, 2, 8, generator=gen).to(DEVICE)
+    freqs = (torch.rand(9, 1, 1, 8, generator=gen) * 6).to(DEVICE)
+    start = torch.tensor([2], device=DEVICE)
+
+    def step(query, key, t):
+        q, k = query.clone(), key.clone()
+        rope.vllm.rotary_embedding(positions, q, k, 8, cache, True)
+        return q, k, rope.apply_rotary_pos_emb(t[:, None], freqs, "sbhd", start_positions=start, fused=False)
+
+    want = step(query, key, t)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for got, w in zip(compiled(query, key, t), want, strict=True):
+        torch.testing.assert_close(got, w, rtol=2**-20, atol=2**-20)  # float32 evaluations of one map
