@@ -1,5 +1,6 @@
 """The Triton kernels: forward and backward (adjoint) RoPE for every format and mode, and RoPE of per-head
-RMS-normalised q and k (`rope_qknorm_kernel`, the NORM section below) (docs/design.md).
+RMS-normalised q and k (`rope_qknorm_kernel`, the NORM section below), and RoPE fused with the KV-cache write
+(`rope_cache_kernel`, the KV-CACHE WRITE section) (docs/design.md).
 
 `rope_kernel` rotates one tensor, `rope_qk_kernel` q and k of a layer in one launch; both run `_rope`
 (the single-tensor kernel with x as q and as k, and no k rows). A *group* is a set of rows with one
@@ -456,6 +457,110 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
         tl.store(row + HEAD_DIM + t_cols, acc_kt, mask=t_ok)
 
 
+# ------------------------------------------------------------------------------------------------ KV-cache write
+# Serving (rope/serving.py): q and k of each token rotated in place, and the rotated k (all its channels) and the
+# unrotated v stored at the token's cache slot. A group is one token, its rows q's heads then k's; the slot
+# (block * block_size + offset) is read once per program. A slot outside [0, n_cache_slots) (vLLM's -1 padding),
+# or a token past the slots given (a short slot_mapping), is rotated and not stored. FP8: the cache holds
+# e4m3(x / scale), x the value in the model's dtype (k rounded once, as the unfused pair stores it), the division
+# rounded correctly and the result saturated at +-448, as vLLM's conversion does.
+
+@triton.jit
+def _to_cache(x, scale, cache_ty: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
+    """x (the model's dtype) as the cache stores it: itself (bitwise), or FP8 e4m3(x / scale). FP8_BITS: the CPU
+    interpreter's float32 -> e4m3 conversion misrounds (a carry into the exponent is lost), so the value is rounded
+    to nearest even on its bits first (normal range: 3 mantissa bits; below 2^-6: multiples of 2^-9, the sign kept)
+    and converted exactly, as `_to_output` does for bfloat16."""
+    if not FP8:
+        return x
+    y = tl.math.div_rn(x.to(tl.float32), scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if FP8_BITS:
+        bits = y.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        r = ((tl.abs(y) * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)  # 1.5 * 2^23: rounds to integers
+        y = tl.where(tl.abs(y) < 0.015625, tl.where(y < 0, -r, r), normal)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return y.to(cache_ty)
+
+
+@triton.jit
+def _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
+                 q_heads, k_heads, q_rows, k_rows, rows_per_program, n_groups, inner, freqs_len, n_slot_entries,
+                 n_cache_slots, block_size,
+                 stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+                 stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
+                 stride_fs, stride_fd, stride_ps, stride_slot,
+                 HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, RNE_BF16: tl.constexpr,
+                 SPLIT: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
+    """One program: a chunk of one token's q and k rows rotated in place, its k rows (rotated) and v rows stored."""
+    s_idx, b_idx, chunk = _program(n_groups, inner, 1, False, SPLIT)
+    r_begin = chunk * rows_per_program
+    r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
+    q_base = s_idx * stride_qs
+    k_base = s_idx * stride_ks
+    out_ty = q_ptr.dtype.element_ty
+    kc_ty = kc_ptr.dtype.element_ty
+    vc_ty = vc_ptr.dtype.element_ty
+    slot = tl.load(slot_ptr + s_idx * stride_slot, mask=s_idx < n_slot_entries, other=-1).to(tl.int64)
+    stored = (slot >= 0) & (slot < n_cache_slots)
+    slot = tl.where(stored, slot, 0)
+    block = slot // block_size
+    offset = slot - block * block_size
+    kc_base = block * stride_kcb + offset * stride_kco
+    vc_base = block * stride_vcb + offset * stride_vco
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(ks_ptr).to(tl.float32)
+        v_scale = tl.load(vs_ptr).to(tl.float32)
+    pos = _position(s_idx, b_idx, pos_ptr, pos_ptr, 0, 0, 1, 0, stride_ps, 0, 0, 0, True, False, False, 1, True, 0)
+    cos_a, cos_b, sin_a, sin_b = _angles(cos_ptr, sin_ptr, pos, b_idx, 0, freqs_len, stride_fs, 0, stride_fd, 0,
+                                         ROT_DIM, INTERLEAVED, False, BLOCK_HALF, False, True, True, 0)
+    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
+    d_cols = tl.arange(0, BLOCK_D)
+    for r0 in range(r_begin, r_end, BLOCK_R):
+        xq, xk, _, _, in_q, r_ok = _rows(q_ptr, q_ptr, k_ptr, k_ptr, q_base, q_base, k_base, k_base, r0, r_end,
+                                         q_rows, q_heads, k_heads, 0, stride_qh, 0, stride_qh, 0, stride_kh, 0,
+                                         stride_kh, True, BLOCK_R, True)
+        xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                                   BLOCK_R, BLOCK_HALF, BLOCK_TAIL, False)
+        ya = _to_output(xa * cos_a - xb * sin_a, out_ty, RNE_BF16)
+        yb = _to_output(xb * cos_b + xa * sin_b, out_ty, RNE_BF16)
+        tl.debug_barrier()  # in place, as in _store_chunk: no store before every thread's load of the tile
+        heads = (r0 + tl.arange(0, BLOCK_R) - q_rows).to(tl.int64)  # k's head of each row (q rows: negative)
+        kc_rows = kc_ptr + kc_base + heads * stride_kch
+        to_cache = r_ok & (tl.where(stored, heads, -1) >= 0)
+        if INTERLEAVED:
+            cols = tl.arange(0, 2 * BLOCK_HALF)
+            y = tl.reshape(tl.join(ya, yb), (BLOCK_R, 2 * BLOCK_HALF))
+            tl.store(_tile_ptrs(xq, xk, in_q, cols, stride_qd, stride_kd), y,
+                     mask=r_ok[:, None] & (cols < ROT_DIM)[None, :])
+            tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, cols, stride_kcd, stride_kcd),
+                     _to_cache(y, k_scale, kc_ty, FP8, FP8_BITS), mask=to_cache[:, None] & (cols < ROT_DIM)[None, :])
+        else:
+            m = r_ok[:, None] & k_ok[None, :]
+            tl.store(_tile_ptrs(xq, xk, in_q, col_a, stride_qd, stride_kd), ya, mask=m)
+            tl.store(_tile_ptrs(xq, xk, in_q, col_b, stride_qd, stride_kd), yb, mask=m)
+            mc = to_cache[:, None] & k_ok[None, :]
+            tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, col_a, stride_kcd, stride_kcd),
+                     _to_cache(ya, k_scale, kc_ty, FP8, FP8_BITS), mask=mc)
+            tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, col_b, stride_kcd, stride_kcd),
+                     _to_cache(yb, k_scale, kc_ty, FP8, FP8_BITS), mask=mc)
+        if BLOCK_TAIL > 0:
+            t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+            tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, t_cols, stride_kcd, stride_kcd),
+                     _to_cache(tail, k_scale, kc_ty, FP8, FP8_BITS),
+                     mask=to_cache[:, None] & (t_cols < HEAD_DIM)[None, :])
+        v_rows = v_ptr + s_idx * stride_vs + heads * stride_vh
+        vc_rows = vc_ptr + vc_base + heads * stride_vch
+        vm = to_cache[:, None] & (d_cols < HEAD_DIM)[None, :]
+        v = tl.load(_tile_ptrs(v_rows, v_rows, in_q, d_cols, stride_vd, stride_vd), mask=vm)
+        tl.store(_tile_ptrs(vc_rows, vc_rows, in_q, d_cols, stride_vcd, stride_vcd),
+                 _to_cache(v, v_scale, vc_ty, FP8, FP8_BITS), mask=vm)
+
+
 # Integer arguments that are counts, not strides: Triton would specialize each on == 1 and on
 # divisibility by 16, multiplying the compiled variants for no faster code; strides keep their
 # specialization, which proves 16-byte alignment.
@@ -464,6 +569,8 @@ _COUNTS = ["n_heads", "n_batch", "rows_per_group", "rows_per_program", "n_groups
 _QK_COUNTS = ["q_heads", "k_heads", "n_batch", "q_rows", "k_rows", "rows_per_program", "n_groups", "inner", "seq_len",
               "n_seqs", "freqs_len", "cp_rank", "stride_fb"]
 _NORM_COUNTS = _QK_COUNTS + ["n_items", "n_progs"]
+_CACHE_COUNTS = ["q_heads", "k_heads", "q_rows", "k_rows", "rows_per_program", "n_groups", "inner",
+                 "freqs_len", "n_slot_entries", "n_cache_slots", "block_size"]
 
 
 @triton.jit
@@ -602,3 +709,27 @@ def rope_qknorm_kernel(
             HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD, GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF,
             BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT, FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2,
             NORM)
+
+
+@triton.jit(do_not_specialize=_CACHE_COUNTS)
+def rope_cache_kernel(
+    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
+    q_heads, k_heads, q_rows, k_rows, rows_per_program, n_groups, inner, freqs_len, n_slot_entries, n_cache_slots,
+    block_size,
+    stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+    stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
+    stride_fs, stride_fd, stride_ps, stride_slot,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, RNE_BF16: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr,
+):
+    """q and k of each token rotated in place at positions[t] of the half cos/sin tables, the rotated k and the
+    v stored at the token's slot of the caches (the KV-CACHE WRITE section above)."""
+    _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
+                 q_heads, k_heads, q_rows, k_rows, rows_per_program, n_groups, inner, freqs_len, n_slot_entries,
+                 n_cache_slots, block_size,
+                 stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
+                 stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
+                 stride_fs, stride_fd, stride_ps, stride_slot,
+                 HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, RNE_BF16, SPLIT, FP8,
+                 FP8_BITS)

@@ -17,7 +17,7 @@ import triton
 
 from . import _memo
 from ._cuda import raw_stream
-from ._kernel import rope_kernel, rope_qk_kernel, rope_qknorm_kernel
+from ._kernel import rope_cache_kernel, rope_kernel, rope_qk_kernel, rope_qknorm_kernel
 from ._table import cos_sin_table, token_positions
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -485,3 +485,55 @@ def norm_rotate_qk_backward(call, grad_q, grad_k, q, k, weights, norm, eps, angl
     run(plan, (grad_q, gq, grad_k, gk, cos, sin, start, index, *weights, q, k, part))
     gw = part.sum(0)
     return gq, gk, gw[0].to(weights[0].dtype), gw[1].to(weights[1].dtype)
+
+
+# RoPE fused with the KV-cache write (`_kernel.rope_cache_kernel`): plans per signature, as `plan_for`'s.
+_CACHE_PLANS = _memo.memo("launch plans of the KV-cache write", 1024)
+
+
+def _align(*tensors) -> tuple:
+    return tuple(t.data_ptr() % 16 for t in tensors)
+
+
+def _cache_plan(q, k, v, key_cache, value_cache, slots, positions, cos, sin, rows, interleaved, fp8) -> Plan:
+    """The plan of one call: a program takes a chunk of one token's q and k rows (the table kernel's tile and
+    program size, as for thd with positions), its k rows' slot read once."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    rot = 2 * cos.shape[1]
+    block_r, block_half, block_tail, num_warps = _tile(d, rot, interleaved, q.element_size(), hq + hk,
+                                                       _table_tile((q.numel() + 2 * k.numel()) * q.element_size(),
+                                                                   q.device, False))
+    rows_per_program = _rows_per_program(t, hq + hk, block_r, False, q.element_size(), rot == d, True, q.device,
+                                         q.element_size() * d, True)
+    chunks = triton.cdiv(hq + hk, rows_per_program)
+    _check_index_range(t * chunks, hq + hk + rows_per_program)
+    n_blocks, block_size = key_cache.shape[:2]
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+               v.stride(1), v.stride(2), *key_cache.stride(), *value_cache.stride(), cos.stride(0), cos.stride(1),
+               positions.stride(0), slots.stride(0))
+    scalars = (hq, hk, hq, hk, rows_per_program, t, chunks, rows, slots.shape[0], n_blocks * block_size, block_size,
+               *strides,
+               # the constexprs
+               d, rot, interleaved, block_r, block_half, block_tail, triton.next_power_of_2(d),
+               INTERPRET and q.dtype == torch.bfloat16, chunks > 1, fp8, INTERPRET and fp8)
+    return Plan(rope_cache_kernel, (t * chunks, 1, 1), scalars, num_warps, q.device, (True,))
+
+
+def rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, rows, interleaved, fp8=False,
+                     k_scale=None, v_scale=None) -> None:
+    """Rotate q [T, hq, d] and k [T, hk, d] in place at `positions` [T] of the half tables cos, sin [rows, rot/2],
+    and store the rotated k and v [T, hk, d] at slot slots[t] of key_cache and value_cache [n_blocks, block_size,
+    hk, d] (slot = block * block_size + offset); tokens past `slots`, or at a slot outside the caches, are rotated
+    only. fp8: the caches are float8_e4m3fn, holding x / scale (k_scale, v_scale: float32, one element each)."""
+    if q.shape[0] == 0:
+        return
+    ks = k_scale if fp8 else cos
+    vs = v_scale if fp8 else cos
+    tensors = (q, k, v, key_cache, value_cache, slots, positions, cos, sin, ks, vs)
+    key = (interleaved, fp8, rows, *((x.shape, x.stride(), x.dtype) for x in tensors), _align(*tensors))
+    plan = _CACHE_PLANS.get(key)
+    if plan is None:
+        plan = _CACHE_PLANS.put(key, _cache_plan(q, k, v, key_cache, value_cache, slots, positions, cos, sin, rows,
+                                                 interleaved, fp8))
+    run(plan, tensors)
