@@ -15,7 +15,8 @@ import torch
 from hypothesis import strategies as st
 
 from ..tensors import DTYPES, Layout, contiguous, seeds
-from . import Case, Convention, Expect, kv_cache_common as kvc, small
+from . import Case, Convention, Expect, small
+from . import kv_cache_common as kvc
 from .kv_cache_invariants import INVARIANTS
 
 
