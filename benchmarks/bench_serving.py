@@ -1,0 +1,142 @@
+"""pytest-benchmark: RoPE fused with the KV-cache write (`rope.serving.rope_and_cache`) against the unfused pairs.
+
+    pytest benchmarks/bench_serving.py --benchmark-only --benchmark-json=$OUT/serving.json
+
+Cases: 32 query / 8 key-value heads, d 128, bf16, vLLM's cache [num_blocks, 16, 8, 128] in bf16 ("auto") or
+float8_e4m3fn ("fp8", per-tensor scales); decode of 64 and 256 sequences (one token each) and a prefill of 4096
+tokens, every token with a slot. Implementations:
+- `fused`: one launch;
+- `rope_alone`: rope.vllm.rotary_embedding only (no cache write: the floor the fusion is measured against);
+- `unfused`: rope.vllm.rotary_embedding, then the index write in PyTorch (`key_cache.view(-1, h, d)[slots] = key`,
+  as vLLM's reshape_and_cache stores it; fp8: x / scale in float32, saturated, stored as e4m3);
+- `liger`: Liger's RoPE (rows of cos/sin gathered at the positions, [T, h, 1, d]) then the same write (the wheel
+  in .peers/whl).
+Each is first checked against the fused op (bitwise for `unfused`, within 2 bf16 roundings for `liger`), then
+timed eagerly (pytest-benchmark, a synchronizing clock) and as CUDA-graph replays (bench_rope.gpu_us; extra_info
+gpu_us). Without a GPU every case is collected and skipped.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import rope.serving
+import rope.vllm
+
+HQ, HK, D, BLOCK = 32, 8, 128, 16
+SHAPES = {"decode64": 64, "decode256": 256, "prefill4k": 4096}
+CACHES = ("auto", "fp8")
+IMPLS = ("fused", "rope_alone", "unfused", "liger")
+CASES = [(s, c, i) for s in SHAPES for c in CACHES for i in IMPLS]
+FP8 = torch.float8_e4m3fn
+
+
+def _sync_clock() -> float:
+    """bench_rope's timer (waits for the GPU, then reads the host clock); its module skips without a GPU, so it is
+    imported at the first reading, on a GPU machine only."""
+    import bench_rope
+
+    return bench_rope.cuda_sync_clock()
+
+
+pytestmark = pytest.mark.benchmark(timer=_sync_clock, disable_gc=True)
+
+
+def inputs(tokens, cache):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def r(*size):
+        return torch.randn(size, generator=gen, device="cuda").to(torch.bfloat16)
+
+    rows = 8192
+    theta = torch.rand(rows, D // 2, generator=gen, device="cuda") * 1000
+    n_blocks = 2 * tokens // BLOCK + 8
+    cdt = FP8 if cache == "fp8" else torch.bfloat16
+    return dict(positions=torch.randint(0, rows, (tokens,), generator=gen, device="cuda"), query=r(tokens, HQ * D),
+                key=r(tokens, HK * D), value=r(tokens, HK, D), key_cache=r(n_blocks, BLOCK, HK, D).to(cdt),
+                value_cache=r(n_blocks, BLOCK, HK, D).to(cdt),
+                slot_mapping=torch.randperm(n_blocks * BLOCK, generator=gen, device="cuda")[:tokens],
+                cos_sin_cache=torch.cat([theta.cos(), theta.sin()], -1), is_neox=True, kv_cache_dtype=cache,
+                k_scale=torch.tensor([0.05], device="cuda"), v_scale=torch.tensor([0.04], device="cuda"))
+
+
+def index_write(a, key):
+    """vLLM's reshape_and_cache as PyTorch: each token's k and v at its slot (fp8 as bytes: e4m3 has no index_put)."""
+    slots = a["slot_mapping"]
+    for cache, x, scale in ((a["key_cache"], key.view(-1, HK, D), a["k_scale"]), (a["value_cache"], a["value"],
+                                                                                   a["v_scale"])):
+        if cache.dtype == FP8:
+            x = (x.float() / scale).clamp(-448.0, 448.0).to(FP8).view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        cache.view(-1, HK, D)[slots] = x
+
+
+def liger_rope():
+    fn = importlib.import_module("liger_kernel.transformers.rope").liger_rotary_pos_emb
+
+    def run(a):
+        t = a["positions"].shape[0]
+        rows = a["cos_sin_cache"][a["positions"]]
+        cos, sin = (torch.cat([h, h], -1).to(torch.bfloat16)[:, None] for h in rows.chunk(2, -1))  # [T, 1, d]
+        q, k = fn(a["query"].view(t, HQ, 1, D), a["key"].view(t, HK, 1, D), cos, sin)
+        return q, k
+    return run
+
+
+def path(impl):
+    if impl == "fused":
+        return lambda a: rope.serving.rope_and_cache(**a)
+    if impl == "rope_alone":
+        return lambda a: rope.vllm.rotary_embedding(a["positions"], a["query"], a["key"], D, a["cos_sin_cache"], True)
+    if impl == "unfused":
+        def unfused(a):
+            rope.vllm.rotary_embedding(a["positions"], a["query"], a["key"], D, a["cos_sin_cache"], True)
+            index_write(a, a["key"])
+        return unfused
+    try:
+        rot = liger_rope()
+    except ImportError as e:
+        pytest.skip(f"liger_kernel not importable ({e}); pip install .peers/whl/liger_kernel-*.whl")
+
+    def liger(a):
+        _, k = rot(a)
+        index_write(a, k)
+    return liger
+
+
+def check(impl, fn, tokens, cache):
+    """The implementation's caches against the fused op's on the same inputs."""
+    if impl == "rope_alone":
+        return
+    want, got = inputs(tokens, cache), inputs(tokens, cache)
+    rope.serving.rope_and_cache(**want)
+    fn(got)
+    for n in ("key_cache", "value_cache"):
+        w, g = want[n].view(torch.uint8), got[n].view(torch.uint8)
+        if impl == "unfused" or n == "value_cache":
+            assert torch.equal(w, g), f"{impl}: {n} differs from the fused op's"
+        else:  # Liger rounds its own rotation: within 2 roundings of the cache's dtype
+            wf, gf = want[n].float(), got[n].float()
+            tol = (2.0**-2 if cache == "fp8" else 2.0**-7) * wf.abs().amax(-1, keepdim=True)  # of the head's largest
+            assert ((wf - gf).abs() <= tol).all(), f"{impl}: {n} beyond two roundings of the fused op's"
+
+
+@pytest.mark.parametrize("shape,cache,impl", CASES, ids=["-".join(c) for c in CASES])
+def test_serving(benchmark, shape, cache, impl):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import bench_rope  # its module skips without a GPU: imported here, after the check
+
+    tokens = SHAPES[shape]
+    fn = path(impl)
+    check(impl, fn, tokens, cache)
+    a = inputs(tokens, cache)
+    benchmark.pedantic(lambda: fn(a), rounds=20, iterations=5, warmup_rounds=2)
+    try:
+        us = bench_rope.gpu_us(lambda: [lambda: fn(a)], 20)
+    except RuntimeError as e:  # a path that cannot be captured: eager times only
+        benchmark.extra_info["graph_error"] = str(e).splitlines()[0][:200]
+        return
+    benchmark.extra_info.update(gpu_us=us, tokens=tokens, cache=cache)
