@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rope import reference
-
+from .. import pairing
 from ..compare import assert_bitwise, assert_within
 from ..run import make_case
 from . import kv_cache_common as kvc
@@ -29,22 +28,21 @@ def _state(conv, case) -> dict:
 
 
 def equals_rope_then_write(conv, fn, caps, plan):
-    """q and k within two roundings of rope's vLLM rotation (rope.vllm.rotary_embedding's reference path: float32,
-    one rounding) on the same inputs, and the caches bitwise the
-    index write of the call's own results: at each stored token's slot its rotated k (as written back to the live
-    k) and its v, as the cache stores them; every other slot as it was."""
+    """q and k within the accuracy model of the float64 rotation of vLLM's convention (the cache's halves as cos and
+    sin, the rows at the positions) on the same inputs, and the caches bitwise the index write of the call's own
+    results: at each stored token's slot its rotated k (as written back to the live k) and its v, as the cache
+    stores them; every other slot as it was."""
     case = make_case(conv, caps, plan)
     a = conv.ARGS
     before = _state(conv, case)
     table, pos = case.args["cos_sin_cache"].detach().cpu(), case.args["positions"].detach().cpu().long()
     half, il = table.shape[1] // 2, not plan.is_neox
-    cos, sin = (reference.rows_at(reference.full_width(t, il), pos).unsqueeze(-2) for t in (table[:, :half],
-                                                                                             table[:, half:]))
+    cos, sin = (pairing.per_channel(t[pos], il).unsqueeze(-2) for t in (table[:, :half], table[:, half:]))
     got = _call(conv, fn, case)
     for n in ("q", "k"):
-        want = reference.rotate(before[n], cos, sin, il)
-        assert_within(f"{a[n]} against rope's vLLM rotation", got[n], want, before[n], plan.rot,
-                      not plan.is_neox, 2, caps.get("accuracy", "float32"))
+        want = pairing.rotate(before[n], cos, sin, il)
+        assert_within(f"{a[n]} against vLLM's rotation in float64", got[n], want, before[n], plan.rot,
+                      not plan.is_neox, 1, caps.get("accuracy", "float32"))
     mask, token = kvc.written(case.args[a["slots"]], plan.n_slots)
     cdt = kvc.FP8 if plan.fp8 else got["k"].dtype
     for n, x, scale in (("kc", got["k"], plan.scales[0]), ("vc", got["v"], plan.scales[1])):
