@@ -123,12 +123,19 @@ def test_hf_partial(benchmark, shape, form, impl, mode):
         out = fn(*ts, cos, sin)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
-    # Agreement first: every implementation within bf16 rounding (two units of the result) of rope's result.
+    # Agreement first, with rope's result (float32 math, one bf16 rounding: within 2^-9 |ref| of the value from the
+    # inputs as given). transformers' expression evaluates in bf16: two products and a sum, each rounded within 2^-9
+    # of a value at most S = |x_i| + |x_partner|, so within 3 2^-9 S < 2^-7 S; the pass-through channels are copies.
     with torch.no_grad():
         ref = _function(shape, form, "rope")[0](*xs, cos, sin)
         want = list(ref) if isinstance(ref, tuple) else [ref]
-        for got, ref in zip(call(*xs), want, strict=True):
-            torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=2**-7)
+        for x, got, ref in zip(xs, call(*xs), want, strict=True):
+            head = x[..., :shape.rot].float().abs()
+            scale = torch.cat([head + _rotate_half(head), torch.zeros_like(x[..., shape.rot:], dtype=torch.float32)],
+                              dim=-1)
+            err = (got.float() - ref.float()).abs()
+            bad = err > 2**-7 * scale + 2**-8 * ref.float().abs()
+            assert not bad.any(), f"{name}: {int(bad.sum())} elements beyond bf16 rounding of rope's result"
     if mode == "fwd":
         def target():
             with torch.no_grad():
