@@ -257,9 +257,10 @@ def inverse(conv, fn, caps, plan):
 
 
 def partial_is_sliced(conv, fn, caps, plan):
-    """Partial rotary (tables of width r < d): channels :r of the result are, bitwise, the call on q[..., :r] and
-    k[..., :r] with the same tables (a whole-head rotation of the slice), and channels r.. are q's and k's as given
-    (converted to the result's dtype), bitwise."""
+    """Partial rotary (tables of width r < d): channels :r of the result are the call on q[..., :r] and k[..., :r]
+    with the same tables (a whole-head rotation of the slice), within two roundings (the two calls are compiled for
+    other shapes and may contract their products in other orders, as q's and k's paths may), and channels r.. are
+    q's and k's as given (converted to the result's dtype), bitwise."""
     case = make_case(conv, caps, plan)
     names, r = rotated(case), case.args["cos"].shape[-1]
     if r == case.args[names[0]].shape[-1]:
@@ -267,7 +268,8 @@ def partial_is_sliced(conv, fn, caps, plan):
     got = call(fn, case)
     sliced = call(fn, case, **{n: case.args[n][..., :r] for n in names})
     for name, g, w in zip(names, got, sliced, strict=True):
-        assert_bitwise(f"partial rotary: {name}[..., :{r}] against the call on {name}[..., :{r}]", g[..., :r], w)
+        assert_within(f"partial rotary: {name}[..., :{r}] against the call on {name}[..., :{r}]", g[..., :r], w,
+                      case.args[name][..., :r], r, conv.INTERLEAVED, 2, caps.get("accuracy", "float32"))
         assert_bitwise(f"partial rotary: channels {r}.. of {name}, passed through", g[..., r:],
                        case.args[name][..., r:].to(g.dtype))
 
