@@ -9,9 +9,10 @@ tokens, every token with a slot. Implementations:
 - `rope_alone`: rope.vllm.rotary_embedding only (no cache write: the floor the fusion is measured against);
 - `unfused`: rope.vllm.rotary_embedding, then the index write in PyTorch (`key_cache.view(-1, h, d)[slots] = key`,
   as vLLM's reshape_and_cache stores it; fp8: x / scale in float32, saturated, stored as e4m3);
-- `liger`: Liger's RoPE (rows of cos/sin gathered at the positions, [T, h, 1, d]) then the same write (the wheel
-  in .peers/whl).
-Each is first checked against the fused op (bitwise for `unfused`, within 2 bf16 roundings for `liger`), then
+- `liger`: Liger's RoPE (the tokens as one sequence, q [1, h, T, d], with the rows of cos/sin gathered at the
+  positions as bf16 tables [1, T, d]) then the same write (the wheel in .peers/whl).
+Each is first checked against the fused op (v bitwise; k within two roundings of the cache's dtype: each kernel
+rounds its own rotation), then
 timed eagerly (pytest-benchmark, a synchronizing clock) and as CUDA-graph replays (bench_rope.gpu_us; extra_info
 gpu_us). Without a GPU every case is collected and skipped.
 """
@@ -79,9 +80,11 @@ def liger_rope():
     def run(a):
         t = a["positions"].shape[0]
         rows = a["cos_sin_cache"][a["positions"]]
-        cos, sin = (torch.cat([h, h], -1).to(torch.bfloat16)[:, None] for h in rows.chunk(2, -1))  # [T, 1, d]
-        q, k = fn(a["query"].view(t, HQ, 1, D), a["key"].view(t, HK, 1, D), cos, sin)
-        return q, k
+        # the tokens as one sequence of T rows, as Liger takes them: q [1, h, T, d], tables [1, T, d] (Liger reads one
+        # table row per sequence position, not per batch entry)
+        cos, sin = (torch.cat([h, h], -1).to(torch.bfloat16)[None] for h in rows.chunk(2, -1))
+        q, k = fn(a["query"].view(1, t, HQ, D).transpose(1, 2), a["key"].view(1, t, HK, D).transpose(1, 2), cos, sin)
+        return q, k.transpose(1, 2).reshape(t, HK * D)
     return run
 
 
@@ -115,9 +118,9 @@ def check(impl, fn, tokens, cache):
     fn(got)
     for n in ("key_cache", "value_cache"):
         w, g = want[n].view(torch.uint8), got[n].view(torch.uint8)
-        if impl == "unfused" or n == "value_cache":
+        if n == "value_cache":
             assert torch.equal(w, g), f"{impl}: {n} differs from the fused op's"
-        else:  # Liger rounds its own rotation: within 2 roundings of the cache's dtype
+        else:  # each kernel rounds its own rotation (FMA contraction differs by kernel): within 2 roundings
             wf, gf = want[n].float(), got[n].float()
             tol = (2.0**-2 if cache == "fp8" else 2.0**-7) * wf.abs().amax(-1, keepdim=True)  # of the head's largest
             assert ((wf - gf).abs() <= tol).all(), f"{impl}: {n} beyond two roundings of the fused op's"

@@ -1,7 +1,8 @@
 """Stress run: threads x CUDA streams x drawn calls of every convention an implementation has, each call checked
 as the native properties check it (run.forward, run.backward: the float64 oracle and the side-effect contract).
 
-    python -m tests.conformance.stress [--impl rope] [--calls 3000] [--threads 8] [--seconds S] [--json PATH]
+    python -m tests.conformance.stress [--impl rope] [--calls 3000] [--distinct 64] [--threads 8] [--seconds S]
+                                       [--json PATH]
 
 The calls are drawn first (each convention's own strategy, its capabilities as declared), then shuffled and
 run by `--threads` threads, each on a CUDA stream of its own (on a CPU, the current stream): the launcher's
@@ -30,20 +31,29 @@ import torch
 from . import registry, run, spec
 
 
-def draw_jobs(native, calls: int, seed: int) -> list:
-    """(convention, property, plan) triples, `calls` in all, spread evenly over the conventions."""
+def draw_jobs(native, calls: int, seed: int, distinct: int = 64) -> list:
+    """(convention, property, plan) triples, `calls` in all, spread evenly over the conventions. Each convention's
+    plans come from a pool of `distinct` drawn ones (drawing is slow, and every new shape compiles), each call with a
+    seed of its own: new values in the shapes the pool holds."""
     names = list(native.fns)
     rnd = random.Random(seed)
-    jobs = []
+    pools = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Hypothesis' .example() warns that it is not for tests: here it draws
-        for i in range(calls):
-            name = names[i % len(names)]
+        for name in names:
             conv = spec.load(name)
             caps = conv.caps(native.caps.get(name))
-            prop = "backward" if conv.DIFFERENTIABLE and caps.get("backward", True) and rnd.random() < 0.3 \
-                else "forward"
-            jobs.append((name, prop, conv.plans(caps).example()))
+            pools[name] = [conv.plans(caps).example() for _ in range(min(distinct, -(-calls // len(names))))]
+    jobs = []
+    for i in range(calls):
+        name = names[i % len(names)]
+        conv = spec.load(name)
+        caps = conv.caps(native.caps.get(name))
+        prop = "backward" if conv.DIFFERENTIABLE and caps.get("backward", True) and rnd.random() < 0.3 else "forward"
+        plan = rnd.choice(pools[name])
+        if "seed" in getattr(plan, "_fields", ()):
+            plan = plan._replace(seed=rnd.randrange(2**31))
+        jobs.append((name, prop, plan))
     rnd.shuffle(jobs)
     return jobs
 
@@ -56,11 +66,12 @@ def memory() -> int:
     return torch.cuda.memory_allocated()
 
 
-def stress(impl: str, calls: int, threads: int, seed: int = 0, seconds: float = float("inf")) -> dict:
+def stress(impl: str, calls: int, threads: int, seed: int = 0, seconds: float = float("inf"),
+           distinct: int = 64) -> dict:
     native = registry.resolve(impl)
     if not native.fns:
         raise SystemExit(f"--impl {impl}: no native convention")
-    jobs = draw_jobs(native, calls, seed)
+    jobs = draw_jobs(native, calls, seed, distinct)
     work: queue.Queue = queue.Queue()
     for job in jobs:
         work.put(job)
@@ -115,10 +126,11 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--distinct", type=int, default=64, help="plans drawn per convention, reused with new seeds")
     parser.add_argument("--seconds", type=float, default=float("inf"), help="start no call after this many seconds")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    report = stress(args.impl, args.calls, args.threads, args.seed, args.seconds)
+    report = stress(args.impl, args.calls, args.threads, args.seed, args.seconds, args.distinct)
     for name, c in report["per_convention"].items():
         print(f"{name:15s} {sum(c.values()):6d} calls  {c.get('wrong', 0):4d} wrong  {c.get('error', 0):4d} errors")
     print(f"{report['calls']} calls ({report['not_run']} not run) on {report['threads']} threads in "
