@@ -81,7 +81,8 @@ def test_named_not_installed_is_one_line_with_install_command(monkeypatch):
              "hf": ("transformers", "pip install transformers"), "vllm": ("vllm", "pip install vllm"),
              "te": ("transformer_engine", "transformer_engine[pytorch]")}
     for name, (module, hint) in hints.items():
-        monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError, as when not installed
+        for loaded in [m for m in sys.modules if m == module or m.startswith(module + ".")] or [module]:
+            monkeypatch.setitem(sys.modules, loaded, None)  # import raises ImportError, as when not installed
         with pytest.raises(Unavailable) as info:
             load_target(name)
         msg = str(info.value)

@@ -278,7 +278,8 @@ def test_named_mrope_not_installed_is_one_line_with_install_command(monkeypatch)
     for name, module, hint in (("hf-mrope", "transformers", "pip install transformers"),
                                ("liger-mrope", "liger_kernel", "pip install liger-kernel"),
                                ("vllm-mrope", "vllm", "pip install vllm")):
-        monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError, as when not installed
+        for loaded in [m for m in sys.modules if m == module or m.startswith(module + ".")] or [module]:
+            monkeypatch.setitem(sys.modules, loaded, None)  # import raises ImportError, as when not installed
         with pytest.raises(Unavailable) as info:
             load_target(name)
         msg = str(info.value)
