@@ -32,18 +32,20 @@ class Layout(NamedTuple):
     n_seqs: int  # thd only: number of sequences (len(cu_seqlens) - 1)
 
 
-def check_t_and_freqs(t, freqs, tensor_format, interleaved, allow_float64: bool, name: str = "t") -> None:
-    """What every call with `freqs` checks first: types, dtypes, the format's rank, freqs' shape and device."""
+def check_t_and_freqs(t, freqs, tensor_format, interleaved, allow_float64: bool, name: str = "t",
+                      freqs_name: str = "freqs") -> None:
+    """What every call with `freqs` checks first: types, dtypes, the format's rank, freqs' shape and device
+    (`name`, `freqs_name`: what the caller's signature calls t and freqs, for the messages)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if not isinstance(freqs, torch.Tensor):
-        raise TypeError(f"freqs: expected a torch.Tensor, got {type(freqs).__name__}")
+        raise TypeError(f"{freqs_name}: expected a torch.Tensor, got {type(freqs).__name__}")
     allowed = FLOAT_DTYPES + ((torch.float64,) if allow_float64 else ())
     if t.dtype not in allowed:
         extra = "" if allow_float64 else " (float64 runs only with fused=False, the reference)"
         raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16{extra}, got {t.dtype}")
     if not freqs.is_floating_point():
-        raise TypeError(f"freqs: expected floating-point angles, got {freqs.dtype}")
+        raise TypeError(f"{freqs_name}: expected floating-point angles, got {freqs.dtype}")
     if tensor_format not in FORMATS:
         raise ValueError(f"tensor_format: expected one of {FORMATS}, got {tensor_format!r}")
     if not isinstance(interleaved, bool):
@@ -54,13 +56,13 @@ def check_t_and_freqs(t, freqs, tensor_format, interleaved, allow_float64: bool,
         raise ValueError(f"{name}: tensor_format {tensor_format!r} expects a {want_dim}-D tensor "
                          f"{names[tensor_format]}, got shape {tuple(t.shape)}")
     if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
-        raise ValueError(f"freqs: expected shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
+        raise ValueError(f"{freqs_name}: expected shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
     d, d2 = t.shape[-1], freqs.shape[3]
     if d2 < 2 or d2 % 2 or d2 > d:
-        raise ValueError(f"freqs: rotary width d2 = freqs.shape[-1] must be even with 2 <= d2 <= d = {d}, "
-                         f"got d2 = {d2}")
+        raise ValueError(f"{freqs_name}: rotary width d2 = {freqs_name}.shape[-1] must be even with "
+                         f"2 <= d2 <= d = {d}, got d2 = {d2}")
     if freqs.device != t.device:
-        raise ValueError(f"freqs: expected the device of {name} ({t.device}), got {freqs.device}")
+        raise ValueError(f"{freqs_name}: expected the device of {name} ({t.device}), got {freqs.device}")
 
 
 def check_bools(**flags) -> None:
@@ -79,8 +81,8 @@ def check_float_tensor(name: str, x) -> None:
 
 
 def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                 allow_float64: bool, name: str = "t") -> Layout:
-    check_t_and_freqs(t, freqs, tensor_format, interleaved, allow_float64, name)
+                 allow_float64: bool, name: str = "t", freqs_name: str = "freqs") -> Layout:
+    check_t_and_freqs(t, freqs, tensor_format, interleaved, allow_float64, name, freqs_name)
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
@@ -105,8 +107,8 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
         if cp_size > 1 and s % 2:
             raise ValueError(f"{name}: with cp_size > 1 the local sequence length must be even, got {s}")
         if s > 0 and _max_position(s, cp_size, cp_rank) >= s2:
-            raise ValueError(f"freqs: too short: positions reach {_max_position(s, cp_size, cp_rank)} "
-                             f"but freqs has s2 = {s2} rows")
+            raise ValueError(f"{freqs_name}: too short: positions reach {_max_position(s, cp_size, cp_rank)} "
+                             f"but {freqs_name} has s2 = {s2} rows")
 
     if start_positions is not None:
         _check_index_tensor("start_positions", start_positions, t)
@@ -402,7 +404,7 @@ def _index_key(x):
 
 
 def checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                 name="t") -> Call:
+                 name="t", freqs_name="freqs") -> Call:
     """The call for this signature: checked (`check_static`) on first sight, then found in a dict."""
     try:
         key = (t.shape, t.stride(), t.dtype, t.device, freqs.shape, freqs.dtype, freqs.device, tensor_format,
@@ -413,7 +415,7 @@ def checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
         key, call = None, None
     if call is None:
         layout = check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                              allow_float64=False, name=name)
+                              allow_float64=False, name=name, freqs_name=freqs_name)
         call = Call(layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank)
         if key is not None:
             _CALLS.put(key, call)

@@ -145,6 +145,11 @@ def apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, te
                          f"nq + nk + nv = qkv.shape[-1] = {qkv.shape[-1]}, got {list(qkv_split_arg_list)}")
     q, k, v = torch.split(qkv, [nq, nk, nv], dim=3)
     q = q.reshape(*qkv.shape[:2], qkv.shape[2] * nq // nk, nk)  # a view where nq == nk, else a copy
+    if not torch.compiler.is_compiling():  # the messages name this signature's arguments, on every path
+        for part, freqs in ((q, q_freqs), (k, k_freqs)):
+            checked_call(part, freqs.as_freqs if isinstance(freqs, RoPECache) else freqs, tensor_format,
+                         start_positions, interleaved, None, cp_size, cp_rank, "qkv",
+                         "q_freqs" if part is q else "k_freqs")
     kw = dict(tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved,
               cp_size=cp_size, cp_rank=cp_rank)
     return (apply_rotary_pos_emb(q, q_freqs, **kw), apply_rotary_pos_emb(k, k_freqs, **kw),

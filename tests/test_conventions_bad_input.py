@@ -235,7 +235,7 @@ CASES = [
     ("qkv: an empty v part", qkv_args, dict(qkv=_r(4, 2, 3, 12), qkv_split_arg_list=[8, 4, 0]),
      "qkv_split_arg_list"),
     ("qkv: thd", qkv_args, dict(tensor_format="thd"), "tensor_format"),
-    ("qkv: q_freqs too short", qkv_args, dict(q_freqs=_r(3, 1, 1, 4)), "freqs"),
+    ("qkv: q_freqs too short", qkv_args, dict(q_freqs=_r(3, 1, 1, 4)), "q_freqs"),
 ]
 
 
