@@ -108,6 +108,16 @@ SELECTION = {
     "rope/flash.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} -k flash",
     "rope/vllm.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/test_mrope.py -k vllm",
     "rope/mrope.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/test_mrope.py -k 'mrope or entry'",
+    "rope/_hf_path.py": "ROPE_MAX_EXAMPLES=20 tests/test_hf_forms.py tests/conformance/test_native.py -k hf",
+    "rope/meta.py": "ROPE_MAX_EXAMPLES=20 tests/test_meta_bad_input.py tests/conformance/test_native.py -k meta",
+    "rope/torchtitan.py": "ROPE_MAX_EXAMPLES=20 tests/test_meta_bad_input.py tests/conformance/test_native.py "
+                          "-k torchtitan",
+    "rope/qknorm.py": "ROPE_MAX_EXAMPLES=20 tests/test_qknorm.py tests/conformance/test_native.py -k qknorm",
+    "rope/_qknorm_checks.py": "tests/test_qknorm.py",
+    "rope/serving.py": "ROPE_MAX_EXAMPLES=20 tests/test_serving.py tests/conformance/test_native.py -k cache",
+    "rope/_serving_checks.py": "tests/test_serving.py",
+    "rope/_memo.py": "tests/test_memo.py tests/test_angle_table.py",
+    "rope/_cuda.py": "tests/test_angle_table.py tests/test_memo.py",
 }
 DEFAULT_TESTS = f"{PROPS} {API} {QK}"  # a file not named above
 OUTCOMES = ("killed", "timeout", "survived", "incompetent", "equivalent")
