@@ -12,7 +12,9 @@ from ._validate import (
     check_disjoint,
     check_float_tensor,
     check_pair,
+    check_mrope_section,
     check_rotary_width,
+    check_stream_positions,
     check_tables,
     check_token_positions,
 )
@@ -56,17 +58,31 @@ def check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, int
     return qv, kv
 
 
-def check_cache_call(q, k, q_weight, k_weight, positions, cache, eps, is_neox, gemma, names=("q", "positions")):
+def check_cache_call(q, k, q_weight, k_weight, positions, cache, eps, is_neox, gemma, names=("q", "positions"),
+                     mrope=None):
     """q [T, hq, d], k [T, hk, d], positions [T], cos_sin_cache [max_position, rot]; returns (its cos half, its
-    sin half, max_position). `names`: what the caller calls q and positions (vLLM: qkv, position_ids)."""
+    sin half, max_position, the kernel's streams). `names`: what the caller calls q and positions (vLLM: qkv,
+    position_ids). `mrope`: (mrope_section, mrope_interleaved) of multimodal RoPE, positions [3, T] or [T]."""
     check_bools(is_neox=is_neox, gemma=gemma)
+    section, mrope_interleaved = (None, False) if mrope is None else mrope
+    if not isinstance(mrope_interleaved, bool):
+        raise TypeError(f"mrope_interleaved: expected a bool, got {type(mrope_interleaved).__name__}")
+    if section is None:
+        if mrope_interleaved:
+            raise ValueError("mrope_interleaved: expected False without mrope_section (it orders the sections)")
+        if isinstance(positions, torch.Tensor) and positions.dim() == 2:
+            raise ValueError(f"{names[1]}: shape {tuple(positions.shape)} holds position streams (multimodal "
+                             f"RoPE, [3, T]): pass mrope_section, the rotary pairs per stream")
     for name, x in (("q", q), ("k", k)):
         check_float_tensor(name, x)
         if x.dim() != 3:
             raise ValueError(f"{name}: expected a 3-D tensor [T, h, d], got shape {tuple(x.shape)}")
     check_pair(q, k, "thd")
     check_norm(q, q_weight, k_weight, eps)
-    check_token_positions(positions, q.shape[0], q, names[0], names[1])
+    if section is None:
+        check_token_positions(positions, q.shape[0], q, names[0], names[1])
+    else:
+        check_stream_positions(positions, (q.shape[0],), q, names[0], names[1])
     if not isinstance(cache, torch.Tensor) or cache.dim() != 2:
         raise ValueError(f"cos_sin_cache: expected shape [max_position, rotary_dim], got "
                          f"{getattr(cache, 'shape', type(cache).__name__)}")
@@ -74,7 +90,8 @@ def check_cache_call(q, k, q_weight, k_weight, positions, cache, eps, is_neox, g
     check_rotary_width(rot, q.shape[-1], "cos_sin_cache")
     cos, sin = cache[:, :rot // 2], cache[:, rot // 2:]
     check_tables(cos, sin, q, names[0], ("cos_sin_cache", "cos_sin_cache"))
-    return cos, sin, rows
+    streams = (0, 0, 0, 0) if section is None else check_mrope_section(section, rot // 2, mrope_interleaved)
+    return cos, sin, rows, streams
 
 
 def check_packed(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim):

@@ -4,7 +4,8 @@ RMSNorm over the whole head (d channels) in float32: n = x * rsqrt(mean(x^2) + e
 then the rotation of the first `rot` channels (partial rotary: the norm still spans the head), one rounding to
 x's dtype. q and k in one launch, each with its own weight [d] and head count.
 - `apply`: transformers' tables cos, sin [b or 1, s, rot]; differentiable in q, k and both weights.
-- `apply_cache`: positions [T] into vLLM's cos_sin_cache [max_position, rot]; q [T, hq, d]; differentiable.
+- `apply_cache`: positions [T] into vLLM's cos_sin_cache [max_position, rot]; q [T, hq, d]; differentiable;
+  multimodal positions [3, T] with mrope_section as vLLM's MRotaryEmbedding (each pair its own stream).
 - `fused_qk_norm_rope`: vLLM's op, in place on packed qkv [T, (hq + hk + hv) * d], v untouched.
 """
 from __future__ import annotations
@@ -74,16 +75,24 @@ def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interle
     return (qo.transpose(1, 2), ko.transpose(1, 2)) if unsqueeze_dim == 1 else (qo, ko)
 
 
-def apply_cache(q, k, q_weight, k_weight, positions, cos_sin_cache, eps=1e-6, is_neox=True, gemma=False):
+def apply_cache(q, k, q_weight, k_weight, positions, cos_sin_cache, eps=1e-6, is_neox=True, gemma=False,
+                mrope_section=None, mrope_interleaved=False):
     """RoPE(RMSNorm(x) * w) of q [T, hq, d] and k [T, hk, d] at `positions` [T] (int32/int64) of vLLM's
     cos_sin_cache [max_position, rot] (row p: the rot/2 cosines, then the sines); is_neox: half-split pairs,
-    else interleaved. Differentiable in q, k and both weights; new tensors."""
-    cos, sin, rows = check_cache_call(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox, gemma)
+    else interleaved. Multimodal RoPE as vLLM's MRotaryEmbedding: positions [3, T] (temporal, height, width; [T]:
+    one stream for all three) and mrope_section (pairs per stream, summing to rot/2); pair i reads its section's
+    stream, or, mrope_interleaved (Qwen3-VL), stream i % 3 while i < 3 * mrope_section[i % 3], else stream 0.
+    Differentiable in q, k and both weights; new tensors."""
+    mrope = None if mrope_section is None and mrope_interleaved is False else (mrope_section, mrope_interleaved)
+    cos, sin, rows, streams = check_cache_call(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox,
+                                               gemma, mrope=mrope)
     check_positions_in(positions, rows)
+    if streams[0] and positions.dim() == 1:
+        positions = positions.expand(3, q.shape[0])  # one stream for all three: stream stride 0
     if not kernel_runs(q):
-        return _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma)
+        return _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams)
     return _fused(q, k, q_weight.contiguous(), k_weight.contiguous(),
-                  _cache_state(q, k, cos_sin_cache, positions, is_neox, gemma, eps))
+                  _cache_state(q, k, cos_sin_cache, positions, is_neox, gemma, eps, streams))
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
@@ -91,7 +100,7 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     """vLLM's `fused_qk_norm_rope`: the q and k heads of packed qkv [T, (hq + hk + hv) * head_dim] normalised
     (weights [head_dim]) and rotated in place at `position_ids` [T]; v untouched; returns None. No backward."""
     q, k = check_packed(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim)
-    cos, sin, rows = check_cache_call(q, k, q_weight, k_weight, position_ids, cos_sin_cache, eps, is_neox, False,
+    cos, sin, rows, _ = check_cache_call(q, k, q_weight, k_weight, position_ids, cos_sin_cache, eps, is_neox, False,
                                       ("qkv", "position_ids"))
     check_inplace("qkv", qkv)
     if qkv.requires_grad and torch.is_grad_enabled():
@@ -109,18 +118,23 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
     return None
 
 
-def _cache_state(q, k, cache, positions, is_neox, gemma, eps):
+def _cache_state(q, k, cache, positions, is_neox, gemma, eps, streams=(0, 0, 0, 0)):
+    """The launch state; with `streams`, positions [3, T] go to the kernel in its [streams, s, b] roles."""
     rows, rot = cache.shape
     t, hq, d = q.shape
     key = ("qknorm-cache", q.shape, q.stride(), q.dtype, q.device, k.shape[1], rot, rows, is_neox, positions.dtype)
     call = call_for(key, lambda: Call(Layout(t, 1, hq, d, rot, rows, 0), "thd", not is_neox, None, None, 1, 0))
-    angles = Angles(cache[:, :rot // 2], cache[:, rot // 2:], rows, cache.stride(0), 0, cache.stride(1), True, True)
-    return call, angles, positions, True, 1 + gemma, eps
+    angles = Angles(cache[:, :rot // 2], cache[:, rot // 2:], rows, cache.stride(0), 0, cache.stride(1), True, True,
+                    0, streams)
+    return call, angles, positions[..., None] if streams[0] else positions, True, 1 + gemma, eps
 
 
-def _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma):
-    full = [reference.rows_at(reference.full_width(tab, not is_neox), positions.long()).unsqueeze(-2)
-            for tab in (cos, sin)]
+def _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams=(0, 0, 0, 0)):
+    full = [reference.rows_at(reference.full_width(tab, not is_neox), positions.long()) for tab in (cos, sin)]
+    if streams[0]:
+        stream = reference.section_of_pair(streams[1:], cos.shape[1], streams[0] == 2, q.device)
+        full = [reference.select_streams(tab, stream, not is_neox) for tab in full]
+    full = [tab.unsqueeze(-2) for tab in full]
     return tuple(reference_norm_rope(x, w, eps, gemma, *full, not is_neox) for x, w in ((q, q_weight), (k, k_weight)))
 
 

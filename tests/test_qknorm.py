@@ -129,3 +129,102 @@ def test_compile_traces_and_matches_eager():
 
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k), layer(q, k), rtol=1e-5, atol=1e-5)
+
+
+def _mrope_case(interleaved, is_neox, t=6, hq=3, hk=2, d=20, rot=16, seed=3):
+    """q, k [T, h, d] (partial rotary: rot < d), weights, a cache [64, rot] of random angles, positions [3, T] whose
+    three streams differ at every token, and a section valid in the mode (4 + 2 + 2 = rot / 2 pairs)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(t, hq, d, generator=gen), torch.randn(t, hk, d, generator=gen)
+    wq, wk = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+    theta = torch.rand(64, rot // 2, generator=gen) * 20
+    cache = torch.cat([theta.cos(), theta.sin()], -1)
+    pos = torch.stack([torch.randperm(64, generator=gen)[:t] for _ in range(3)])
+    return [x.to(DEVICE) for x in (q, k, wq, wk, cache, pos)]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["sections", "interleaved"])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_apply_cache_mrope_is_norm_then_mrotary_embedding(interleaved, is_neox):
+    """Fused = RMSNorm (float64, rounded to float32 once) then rope.vllm.mrotary_embedding at the same [3, T]
+    positions and section; backward as the PyTorch path's. Tolerance: both sides are float32 rotations of the same
+    normalised values, which differ by the fused kernel's float32 norm (mean of d squares and rsqrt: a few float32
+    ulps, ~1e-6 relative) against the float64 one; |cos| + |sin| <= sqrt 2 and |x r w| < ~10 keep it below 1e-5."""
+    from rope.vllm import mrotary_embedding
+
+    q, k, wq, wk, cache, pos = _mrope_case(interleaved, is_neox)
+    section = [4, 2, 2]
+    leaves = [x.clone().requires_grad_() for x in (q, k, wq, wk)]
+    qo, ko = qn.apply_cache(*leaves, pos, cache, eps=1e-5, is_neox=is_neox, mrope_section=section,
+                            mrope_interleaved=interleaved)
+    normed = [(x.double() * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-5) * w.double()).float()
+              for x, w in ((q, wq), (k, wk))]
+    mrotary_embedding(pos, normed[0], normed[1], q.shape[-1], cache, section, is_neox, interleaved)
+    torch.testing.assert_close(qo, normed[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ko, normed[1], rtol=1e-5, atol=1e-5)
+    (qo * torch.arange(q.shape[-1], device=DEVICE)).sum().add(ko.square().sum()).backward()
+    ref = [x.clone().requires_grad_() for x in (q, k, wq, wk)]
+    streams = (2 if interleaved else 1, *section)
+    qr, kr = qn._reference_cache(*ref, pos, cache[:, :8], cache[:, 8:], 1e-5, is_neox, False, streams)
+    (qr * torch.arange(q.shape[-1], device=DEVICE)).sum().add(kr.square().sum()).backward()
+    for a, b in zip(leaves, ref, strict=True):  # float32 sums over <= 60 terms of O(10): ~1e-5 relative
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["sections", "interleaved"])
+def test_apply_cache_mrope_each_pair_reads_its_own_stream(interleaved):
+    """Moving one stream's positions changes exactly the pairs of that stream (both channels of each), in q and
+    k alike: a kernel that reads only stream 0 (the fused norm+RoPE bug of SGLang #35345) leaves streams 1 and 2's
+    pairs unchanged and moves all pairs with stream 0."""
+    from rope.reference import section_of_pair
+
+    q, k, wq, wk, cache, pos = _mrope_case(interleaved, True)
+    section, pairs = [4, 2, 2], 8
+    base = qn.apply_cache(q, k, wq, wk, pos, cache, mrope_section=section, mrope_interleaved=interleaved)
+    owner = section_of_pair(section, pairs, interleaved)
+    for m in range(3):
+        moved = pos.clone()
+        moved[m] = (moved[m] + 17) % 64
+        out = qn.apply_cache(q, k, wq, wk, moved, cache, mrope_section=section, mrope_interleaved=interleaved)
+        for before, after in zip(base, out, strict=True):
+            changed = (before != after).any(dim=(0, 1))
+            pair_changed = changed[:pairs] | changed[pairs:2 * pairs]  # neox pairs (i, i + rot/2)
+            assert torch.equal(pair_changed.cpu(), owner == m), (m, pair_changed, owner)
+            assert not changed[2 * pairs:].any(), "the unrotated channels moved"
+
+
+def test_apply_cache_text_positions_unchanged_by_section():
+    """[T] positions with a section are one stream for all three: the same bits as without a section."""
+    q, k, wq, wk, cache, pos = _mrope_case(False, True)
+    for interleaved in (False, True):
+        a = qn.apply_cache(q, k, wq, wk, pos[1], cache, mrope_section=[4, 2, 2], mrope_interleaved=interleaved)
+        b = qn.apply_cache(q, k, wq, wk, pos[1], cache)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+MROPE_BAD = [
+    ("mrope_section", ValueError, dict(mrope_section=[4, 2, 1])),
+    ("mrope_section", ValueError, dict(mrope_section=[4, 4])),
+    ("mrope_section", ValueError, dict(mrope_section=[2, 4, 2], mrope_interleaved=True)),
+    ("positions", ValueError, dict(mrope_section=None)),
+    ("positions", ValueError, dict(positions="3d")),
+    ("positions", ValueError, dict(positions="2xT")),
+    ("positions", TypeError, dict(positions="float")),
+    ("mrope_interleaved", TypeError, dict(mrope_interleaved=1)),
+    ("mrope_interleaved", ValueError, dict(mrope_section=None, mrope_interleaved=True)),
+    ("positions", ValueError, dict(positions="out")),
+    ("q", TypeError, dict(q="double")),
+]
+
+
+@pytest.mark.parametrize("name,exc,over", MROPE_BAD, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(MROPE_BAD)])
+def test_apply_cache_mrope_bad_input(name, exc, over):
+    q, k, wq, wk, cache, pos = _mrope_case(False, True)
+    forms = {"3d": pos[..., None], "2xT": pos[:2], "float": pos.float(), "out": pos + 64, "double": q.double()}
+    args = dict(q=q, k=k, q_weight=wq, k_weight=wk, positions=pos, cos_sin_cache=cache, mrope_section=[4, 2, 2])
+    args.update({key: forms.get(v, v) if isinstance(v, str) else v for key, v in over.items()})
+    before = [x.clone() for x in (q, k, pos)]
+    with pytest.raises(exc) as err:
+        qn.apply_cache(**args)
+    assert str(err.value).startswith(name), str(err.value)
+    assert all(torch.equal(x, y) for x, y in zip((q, k, pos), before, strict=True))
