@@ -176,6 +176,24 @@ def test_apply_cache_mrope_each_pair_reads_its_own_stream(interleaved):
     """Moving one stream's positions changes exactly the pairs of that stream (both channels of each), in q and
     k alike: a kernel that reads only stream 0 (the fused norm+RoPE bug of SGLang #35345) leaves streams 1 and 2's
     pairs unchanged and moves all pairs with stream 0."""
+    _assert_pairs_follow_streams(interleaved)
+
+
+def test_apply_cache_mrope_stream_zero_only_is_caught(monkeypatch):
+    """Planted bug: the norm launch given stream stride 0, so every pair reads the temporal row (the kernel's
+    streams still select sections, all at stream 0's position); the locality property above must fail."""
+    import rope._launch as launch
+
+    if not qn.kernel_runs(torch.empty(1, device=DEVICE)):
+        pytest.skip("the PyTorch path has no launch to plant the bug in")
+    strides = launch._pos_strides
+    monkeypatch.setattr(launch, "_pos_strides", lambda positions: (0, *strides(positions)[1:]))
+    for interleaved in (False, True):
+        with pytest.raises(AssertionError):
+            _assert_pairs_follow_streams(interleaved)
+
+
+def _assert_pairs_follow_streams(interleaved):
     from rope.reference import section_of_pair
 
     q, k, wq, wk, cache, pos = _mrope_case(interleaved, True)
