@@ -7,10 +7,10 @@ Cases: Qwen3-8B (q 32 / kv 8 heads) and Qwen3-30B-A3B (q 32 / kv 4), d 128, bf16
 (no grad) and fwd+bwd (forward, then the backward of random upstream gradients to q, k and both weights).
 Implementations: `fused`; `torch` (torch.nn.functional.rms_norm in float32, then rope.hf); `hf` (Qwen3's eager
 expressions: Qwen3RMSNorm, then apply_rotary_pos_emb with rotate_half, as transformers writes them) and
-`hf_compiled` (the same under torch.compile); `liger` (Liger's RMSNorm kernel and Liger's RoPE, from the wheel in
-.peers/whl). Each is first checked against float64 (within 4 bf16 roundings), then timed eagerly (pytest-benchmark)
-and as CUDA-graph replays (extra_info gpu_us: median per call; graph_gbps: bytes of q and k read and written over
-it). Without a GPU every case is collected and skipped.
+`hf_compiled` (the same under torch.compile); `liger` (Liger's RMSNorm kernel and Liger's RoPE, where
+`pip install liger-kernel` put them). Each is first checked against float64 (within 4 bf16 roundings), then timed
+eagerly (pytest-benchmark) and as CUDA-graph replays (extra_info gpu_us: median per call; graph_gbps: bytes of q
+and k read and written over it). Without a GPU every case is collected and skipped.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def implementation(name):
         try:
             return liger_path()
         except ImportError as e:
-            pytest.skip(f"liger_kernel not importable ({e}); pip install .peers/whl/liger_kernel-*.whl")
+            pytest.skip(f"liger_kernel not importable ({e}); pip install liger-kernel")
     return {"fused": fused_path, "torch": torch_path, "hf": hf_path}[name]
 
 

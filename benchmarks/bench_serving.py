@@ -10,7 +10,7 @@ tokens, every token with a slot. Implementations:
 - `unfused`: rope.vllm.rotary_embedding, then the index write in PyTorch (`key_cache.view(-1, h, d)[slots] = key`,
   as vLLM's reshape_and_cache stores it; fp8: x / scale in float32, saturated, stored as e4m3);
 - `liger`: Liger's RoPE (the tokens as one sequence, q [1, h, T, d], with the rows of cos/sin gathered at the
-  positions as bf16 tables [1, T, d]) then the same write (the wheel in .peers/whl).
+  positions as bf16 tables [1, T, d]) then the same write (`pip install liger-kernel`).
 Each is first checked against the fused op (v bitwise; k within two roundings of the cache's dtype: each kernel
 rounds its own rotation), then
 timed eagerly (pytest-benchmark, a synchronizing clock) and as CUDA-graph replays (bench_rope.gpu_us; extra_info
@@ -101,7 +101,7 @@ def path(impl):
     try:
         rot = liger_rope()
     except ImportError as e:
-        pytest.skip(f"liger_kernel not importable ({e}); pip install .peers/whl/liger_kernel-*.whl")
+        pytest.skip(f"liger_kernel not importable ({e}); pip install liger-kernel")
 
     def liger(a):
         _, k = rot(a)
