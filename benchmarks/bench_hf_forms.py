@@ -14,22 +14,16 @@ Without a GPU every case skips (collection works anywhere).
 from __future__ import annotations
 
 import importlib
-import time
 from typing import NamedTuple
 
 import pytest
 import torch
+from timing import cuda_sync_clock
 
 import rope
 
 if torch.cuda.is_available():
     from bench_rope import gpu_us
-
-
-def cuda_sync_clock() -> float:
-    """pytest-benchmark's timer: waits for the GPU, then reads the host clock."""
-    torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 pytestmark = pytest.mark.benchmark(timer=cuda_sync_clock, disable_gc=True, min_time=0.003, max_time=0.2, min_rounds=5,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-import time
 
 import pytest
 import torch
@@ -28,13 +27,7 @@ if not torch.cuda.is_available():
 from cases import CASES, leaf, make_inputs, parts, sets_for  # noqa: E402
 from checks import check_impl, reference64  # noqa: E402
 from peers import IMPLS  # noqa: E402
-
-
-def cuda_sync_clock() -> float:
-    """pytest-benchmark's timer: waits for the GPU, then reads the host clock."""
-    torch.cuda.synchronize()
-    return time.perf_counter()
-
+from timing import cuda_sync_clock  # noqa: E402
 
 # A round: back-to-back calls for at least 3 ms (the two synchronizations are noise), 0.2 s of rounds per benchmark
 # after warm-up calls (compilation, autotuning); pytest-benchmark calibrates the calls per round.

@@ -22,6 +22,7 @@ import importlib
 
 import pytest
 import torch
+from timing import cuda_sync_clock
 
 import rope.serving
 import rope.vllm
@@ -34,15 +35,7 @@ CASES = [(s, c, i) for s in SHAPES for c in CACHES for i in IMPLS]
 FP8 = torch.float8_e4m3fn
 
 
-def _sync_clock() -> float:
-    """bench_rope's timer (waits for the GPU, then reads the host clock); its module skips without a GPU, so it is
-    imported at the first reading, on a GPU machine only."""
-    import bench_rope
-
-    return bench_rope.cuda_sync_clock()
-
-
-pytestmark = pytest.mark.benchmark(timer=_sync_clock, disable_gc=True)
+pytestmark = pytest.mark.benchmark(timer=cuda_sync_clock, disable_gc=True)
 
 
 def inputs(tokens, cache):
