@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .. import accuracy, pairing
+from . import Convention, Expect
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -99,3 +100,39 @@ def rotate64(x64, rows64, rot, is_neox):
 def cache_bits(cache) -> torch.Tensor:
     """The cache's bytes as integers, on the CPU (for bitwise comparisons of caches of any dtype)."""
     return _bits(cache.detach().cpu())
+
+
+class KVCacheConvention(Convention):
+    """What both forms define once their arguments are named (ARGS: q, k, v, kc, vc, slots -> the signature's
+    names) and their plans hold t, hk, d, rot, is_neox, fp8, scales, dtype and n_slots: q and k rotated in place,
+    the caches written at the slots, None returned."""
+    ARGS: dict = {}
+
+    def effects(self, case):
+        a = self.ARGS
+        return (a["q"], a["k"], a["kc"], a["vc"]), None
+
+    def heads(self, case, name, t):
+        return t.reshape(case.plan.t, -1, case.plan.d)
+
+    def read(self, case, name, t):
+        p, a = case.plan, self.ARGS
+        if name in (a["kc"], a["vc"]):
+            return read(t, written(case.args[a["slots"]], p.n_slots)[0], (p.n_slots, p.hk, p.d))
+        return self.heads(case, name, t)
+
+    def define(self, case, x64):
+        p, a = case.plan, self.ARGS
+        rows = x64["cos_sin_cache"][x64["positions"]]
+        q, k, v = (x64[a[n]].reshape(p.t, -1, p.d) for n in ("q", "k", "v"))
+        q_rot, k_rot = rotate64(q, rows, p.rot, p.is_neox), rotate64(k, rows, p.rot, p.is_neox)
+        mask, token = written(x64[a["slots"]], p.n_slots)
+        cdt = FP8 if p.fp8 else p.dtype
+        old = {n: x64[a[n]].reshape(p.n_slots, p.hk, p.d) for n in ("kc", "vc")}
+        return {
+            a["q"]: Expect(q_rot, q, p.rot, not p.is_neox, p.dtype),
+            a["k"]: Expect(k_rot, k, p.rot, not p.is_neox, p.dtype),
+            a["kc"]: expect_cache(old["kc"], mask, token, k_rot, p.rot, not p.is_neox, p.scales[0], p.fp8, p.dtype,
+                                  cdt, k),
+            a["vc"]: expect_cache(old["vc"], mask, token, v, 0, False, p.scales[1], p.fp8, p.dtype, cdt),
+        }

@@ -15,7 +15,7 @@ import torch
 from hypothesis import strategies as st
 
 from ..tensors import DTYPES, Layout, contiguous, seeds
-from . import Case, Convention, Expect, small
+from . import Case, small
 from . import kv_cache_common as kvc
 from .kv_cache_invariants import INVARIANTS
 
@@ -51,7 +51,7 @@ class Plan(NamedTuple):
         return self.pool
 
 
-class SGLangCache(Convention):
+class SGLangCache(kvc.KVCacheConvention):
     NAME = "sglang-cache"
     SIGNATURE = ("q", "k", "v", "k_cache", "v_cache", "cos_sin_cache", "positions", "out_loc", "is_neox",
                  "rope_dim")
@@ -117,33 +117,6 @@ class SGLangCache(Convention):
         args = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, cos_sin_cache=table, positions=positions,
                     out_loc=out_loc, is_neox=p.is_neox, rope_dim=0)
         return Case(p, args, 8, arena.buffers)
-
-    def effects(self, case):
-        return ("q", "k", "k_cache", "v_cache"), None
-
-    def heads(self, case, name, t):
-        return t.reshape(case.plan.t, -1, case.plan.d)
-
-    def read(self, case, name, t):
-        p = case.plan
-        if name in ("k_cache", "v_cache"):
-            return kvc.read(t, kvc.written(case.args["out_loc"], p.pool)[0], (p.pool, p.hk, p.d))
-        return self.heads(case, name, t)
-
-    def define(self, case, x64):
-        p = case.plan
-        rows = x64["cos_sin_cache"][x64["positions"]]
-        q, k, v = (x64[n].reshape(p.t, -1, p.d) for n in ("q", "k", "v"))
-        q_rot, k_rot = kvc.rotate64(q, rows, p.rot, p.is_neox), kvc.rotate64(k, rows, p.rot, p.is_neox)
-        mask, token = kvc.written(x64["out_loc"], p.pool)
-        old = {n: x64[n].reshape(p.pool, p.hk, p.d) for n in ("k_cache", "v_cache")}
-        return {
-            "q": Expect(q_rot, q, p.rot, not p.is_neox, p.dtype),
-            "k": Expect(k_rot, k, p.rot, not p.is_neox, p.dtype),
-            "k_cache": kvc.expect_cache(old["k_cache"], mask, token, k_rot, p.rot, not p.is_neox, 1.0, False,
-                                        p.dtype, p.dtype, k),
-            "v_cache": kvc.expect_cache(old["v_cache"], mask, token, v, 0, False, 1.0, False, p.dtype, p.dtype),
-        }
 
 
 SGLangCache.INVARIANTS = INVARIANTS

@@ -19,7 +19,7 @@ import torch
 from hypothesis import strategies as st
 
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, small
+from . import Case, small
 from . import kv_cache_common as kvc
 from .kv_cache_invariants import INVARIANTS
 
@@ -53,7 +53,7 @@ class Plan(NamedTuple):
         return self.n_blocks * self.block_size
 
 
-class VLLMCache(Convention):
+class VLLMCache(kvc.KVCacheConvention):
     NAME = "vllm-cache"
     SIGNATURE = ("positions", "query", "key", "value", "key_cache", "value_cache", "slot_mapping", "cos_sin_cache",
                  "is_neox", "kv_cache_dtype", "k_scale", "v_scale")
@@ -139,36 +139,6 @@ class VLLMCache(Convention):
                     value_cache=value_cache, slot_mapping=slots, cos_sin_cache=table, is_neox=p.is_neox,
                     kv_cache_dtype="fp8" if p.fp8 else "auto", k_scale=scales[0], v_scale=scales[1])
         return Case(p, args, 9, arena.buffers)
-
-    def effects(self, case):
-        return ("query", "key", "key_cache", "value_cache"), None
-
-    def heads(self, case, name, t):
-        p = case.plan
-        return t.reshape(p.t, -1, p.d)
-
-    def read(self, case, name, t):
-        p = case.plan
-        if name in ("key_cache", "value_cache"):
-            return kvc.read(t, kvc.written(case.args["slot_mapping"], p.n_slots)[0], (p.n_slots, p.hk, p.d))
-        return self.heads(case, name, t)
-
-    def define(self, case, x64):
-        p = case.plan
-        rows = x64["cos_sin_cache"][x64["positions"]]
-        q, k, v = (x64[n].reshape(p.t, -1, p.d) for n in ("query", "key", "value"))
-        q_rot, k_rot = kvc.rotate64(q, rows, p.rot, p.is_neox), kvc.rotate64(k, rows, p.rot, p.is_neox)
-        mask, token = kvc.written(x64["slot_mapping"], p.n_slots)
-        cdt = kvc.FP8 if p.fp8 else p.dtype
-        old = {n: x64[n].reshape(p.n_slots, p.hk, p.d) for n in ("key_cache", "value_cache")}
-        return {
-            "query": Expect(q_rot, q, p.rot, not p.is_neox, p.dtype),
-            "key": Expect(k_rot, k, p.rot, not p.is_neox, p.dtype),
-            "key_cache": kvc.expect_cache(old["key_cache"], mask, token, k_rot, p.rot, not p.is_neox, p.scales[0],
-                                          p.fp8, p.dtype, cdt, k),
-            "value_cache": kvc.expect_cache(old["value_cache"], mask, token, v, 0, False, p.scales[1], p.fp8,
-                                            p.dtype, cdt),
-        }
 
 
 VLLMCache.INVARIANTS = INVARIANTS
