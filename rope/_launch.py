@@ -127,6 +127,17 @@ def table_angles(cos: torch.Tensor, sin: torch.Tensor, half: bool, batch_stride:
     return Angles(cos, sin, cos.shape[0], cos.stride(0), batch_stride, cos.stride(-1), True, half)
 
 
+def kernel_args(kernel, named: dict) -> tuple:
+    """The kernel's arguments after its pointers (every name not ending in `_ptr`), in its order, from `named`;
+    made once per plan, so the launch passes a ready tuple. A name missing or left over is an error here, at
+    planning, not a misplaced argument in the kernel."""
+    order = [n for n in kernel.arg_names if not n.endswith("_ptr")]
+    missing, extra = set(order) - named.keys(), named.keys() - set(order)
+    if missing or extra:
+        raise RuntimeError(f"{kernel.__name__}: arguments missing {sorted(missing)}, unknown {sorted(extra)}")
+    return tuple(named[n] for n in order)
+
+
 class Plan:
     """Grid, scalar arguments and, once compiled, the direct launcher for one call signature."""
 
@@ -137,14 +148,13 @@ class Plan:
         self.dense = dense  # per input tensor (x; or q, k): strides exactly those of its new output
         self.device = device.index if device.type == "cuda" else None
         self.grid = grid
-        self.scalars = scalars  # every argument after the pointers, in the kernel's order
+        self.scalars = scalars  # every argument after the pointers, in the kernel's order (`kernel_args`)
         self.num_warps = num_warps
         self.compiled = None
 
     def arg(self, name: str):
         """The value of the kernel's scalar argument `name` (tests and tools; not on the hot path)."""
-        names = self.kernel.arg_names
-        return self.scalars[names.index(name) - (len(names) - len(self.scalars))]
+        return self.scalars[[n for n in self.kernel.arg_names if not n.endswith("_ptr")].index(name)]
 
 
 def _roles(x: torch.Tensor, tensor_format: str) -> tuple:
@@ -289,29 +299,39 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     # The joint rows of q and k (q's b x h, then k's) hold no run of one batch entry's heads.
     inner = _inner(_roles(x, tensor_format), spans_batch, layout.b, layout.h if k is None else 0, rows_per_program,
                    chunks)
-    counts = (layout.h, layout.b, q_rows) if k is None else (layout.h, k.shape[-2], layout.b, q_rows, k_rows)
-    strides = [st for t in tensors for st in (*_roles(t, tensor_format), *_out_roles(t, tensor_format, inplace))]
-    scalars = (
-        *counts, rows_per_program, n_groups, inner, layout.s, layout.n_seqs, angles.length, cp_size, cp_rank,
-        *strides, angles.stride_s, angles.stride_b, angles.stride_d, angles.stride_m, pos_strides[1], pos_strides[2],
-        pos_strides[0],
-        # the constexprs
-        layout.d, layout.rot_dim, interleaved, backward, tensor_format == "thd", per_batch, has_start, cp_size > 1,
-        block_r, block_half, block_tail, INTERPRET and x.dtype == torch.bfloat16, not INTERPRET, inplace, table,
-        chunks > 1, _SEARCH_FANOUT if tensor_format == "thd" and not pos_table else 1, pos_table, angles.half,
-        *angles.streams,
+    kernel = rope_kernel if k is None else rope_qk_kernel
+    names = ("x", "o") if k is None else ("q", "qo", "k", "ko")
+    outs = (_out_roles(t, tensor_format, inplace) for t in tensors)
+    roles = [r for t, o in zip(tensors, outs) for r in (_roles(t, tensor_format), o)]
+    args = dict(
+        rows_per_program=rows_per_program, n_groups=n_groups, inner=inner, seq_len=layout.s, n_seqs=layout.n_seqs,
+        freqs_len=angles.length, cp_size=cp_size, cp_rank=cp_rank, n_batch=layout.b,
+        **{f"stride_{name}{role}": st for name, rs in zip(names, roles) for role, st in zip("sbhd", rs)},
+        stride_fs=angles.stride_s, stride_fb=angles.stride_b, stride_fd=angles.stride_d, stride_fm=angles.stride_m,
+        stride_ps=pos_strides[1], stride_pb=pos_strides[2], stride_pm=pos_strides[0],
+        HEAD_DIM=layout.d, ROT_DIM=layout.rot_dim, INTERLEAVED=interleaved, BACKWARD=backward,
+        IS_THD=tensor_format == "thd", GROUP_PER_BATCH=per_batch, HAS_START=has_start, USE_CP=cp_size > 1,
+        BLOCK_R=block_r, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, RNE_BF16=INTERPRET and x.dtype == torch.bfloat16,
+        PIN=not INTERPRET, INPLACE=inplace, TABLE=table, SPLIT=chunks > 1,
+        FANOUT=_SEARCH_FANOUT if tensor_format == "thd" and not pos_table else 1, POS_TABLE=pos_table,
+        HALF_TABLE=angles.half, MROPE=angles.streams[0], SEC0=angles.streams[1], SEC1=angles.streams[2],
+        SEC2=angles.streams[3],
     )
+    if k is None:
+        args.update(n_heads=layout.h, rows_per_group=q_rows)
+    else:
+        args.update(q_heads=layout.h, k_heads=k.shape[-2], q_rows=q_rows, k_rows=k_rows)
+    dense = tuple(_dense(t, tensor_format) for t in tensors)
     if norm:
         items = n_groups * chunks
         progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items
-        saved_strides = [st for t in saved for st in _roles(t, tensor_format)] if saved else [0] * 8
-        head = 13  # counts, rows_per_program, n_groups, inner, seq_len, n_seqs, freqs_len, cp_size, cp_rank
-        scalars = (*scalars[:head], items, max(progs, 1), float(eps), *scalars[head:head + 23], *saved_strides,
-                   *scalars[head + 23:], norm)
-        return Plan(rope_qknorm_kernel, (progs, 1, 1), scalars, num_warps, x.device,
-                    tuple(_dense(t, tensor_format) for t in tensors))
-    return Plan(rope_kernel if k is None else rope_qk_kernel, (n_groups * chunks, 1, 1), scalars, num_warps,
-                x.device, tuple(_dense(t, tensor_format) for t in tensors))
+        saved_roles = [_roles(t, tensor_format) for t in saved] if saved else [(0,) * 4] * 2
+        args.update(n_items=items, n_progs=max(progs, 1), eps=float(eps), NORM=norm,
+                    **{f"stride_s{name}{role}": st for name, rs in zip("qk", saved_roles)
+                       for role, st in zip("sbhd", rs)})
+        return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, args), num_warps, x.device,
+                    dense)
+    return Plan(kernel, (n_groups * chunks, 1, 1), kernel_args(kernel, args), num_warps, x.device, dense)
 
 
 def _hook_present(hook) -> bool:
@@ -509,15 +529,20 @@ def _cache_plan(q, k, v, key_cache, value_cache, slots, positions, cos, sin, row
     chunks = triton.cdiv(hq + hk, rows_per_program)
     _check_index_range(t * chunks, hq + hk + rows_per_program)
     n_blocks, block_size = key_cache.shape[:2]
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-               v.stride(1), v.stride(2), *key_cache.stride(), *value_cache.stride(), cos.stride(0), cos.stride(1),
-               positions.stride(0), slots.stride(0))
-    scalars = (hq, hk, hq, hk, rows_per_program, t, chunks, rows, slots.shape[0], n_blocks * block_size, block_size,
-               *strides,
-               # the constexprs
-               d, rot, interleaved, block_r, block_half, block_tail, triton.next_power_of_2(d),
-               INTERPRET and q.dtype == torch.bfloat16, chunks > 1, fp8, INTERPRET and fp8)
-    return Plan(rope_cache_kernel, (t * chunks, 1, 1), scalars, num_warps, q.device, (True,))
+    args = dict(
+        q_heads=hq, k_heads=hk, q_rows=hq, k_rows=hk, rows_per_program=rows_per_program, n_groups=t, inner=chunks,
+        freqs_len=rows, n_slot_entries=slots.shape[0], n_cache_slots=n_blocks * block_size, block_size=block_size,
+        **{f"stride_{name}{role}": st for name, x in (("q", q), ("k", k), ("v", v))
+           for role, st in zip("shd", x.stride())},
+        **{f"stride_{name}{role}": st for name, x in (("kc", key_cache), ("vc", value_cache))
+           for role, st in zip("bohd", x.stride())},
+        stride_fs=cos.stride(0), stride_fd=cos.stride(1), stride_ps=positions.stride(0), stride_slot=slots.stride(0),
+        HEAD_DIM=d, ROT_DIM=rot, INTERLEAVED=interleaved, BLOCK_R=block_r, BLOCK_HALF=block_half,
+        BLOCK_TAIL=block_tail, BLOCK_D=triton.next_power_of_2(d), RNE_BF16=INTERPRET and q.dtype == torch.bfloat16,
+        SPLIT=chunks > 1, FP8=fp8, FP8_BITS=INTERPRET and fp8,
+    )
+    return Plan(rope_cache_kernel, (t * chunks, 1, 1), kernel_args(rope_cache_kernel, args), num_warps,
+                q.device, (True,))
 
 
 def rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, rows, interleaved, fp8=False,
