@@ -13,10 +13,13 @@ from ._validate import (
     check_float_tensor,
     check_mrope_section,
     check_pair,
+    check_positions,
     check_rotary_width,
+    check_static,
     check_stream_positions,
     check_tables,
     check_token_positions,
+    checked_call,
 )
 
 _SHAPES = {1: "[b, h, s, d]", 2: "[b, s, h, d]"}
@@ -56,6 +59,28 @@ def check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, int
         raise ValueError(f"cos: expected shape [b, s, rot] with b = {b} or 1, s = {s}, got {tuple(cos.shape)}")
     check_rotary_width(cos.shape[-1], d, "cos")
     return qv, kv
+
+
+def check_freqs_call(q, k, q_weight, k_weight, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
+                     cp_rank, eps, gemma, memo: bool):
+    """`rope.qknorm.apply_freqs`'s arguments, in one order on every path: q and k (float64 refused), TransformerEngine's
+    checks of each against freqs (angles [s2, 1, 1, rot]) naming q and k, gemma, the weights and eps, then the values
+    of cu_seqlens and start_positions. Returns q's `Call` (`memo`: the memoised one of the kernel path) or Layout."""
+    for name, x in (("q", q), ("k", k)):
+        check_float_tensor(name, x)
+    check_pair(q, k, tensor_format)
+    args = (freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
+    if memo:
+        call = checked_call(q, *args, "q")
+        checked_call(k, *args, "k")
+        layout = call.layout
+    else:
+        call = layout = check_static(q, *args, allow_float64=False, name="q")
+        check_static(k, *args, allow_float64=False, name="k")
+    check_bools(gemma=gemma)
+    check_norm(q, q_weight, k_weight, eps)
+    check_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    return call
 
 
 def check_cache_call(q, k, q_weight, k_weight, positions, cache, eps, is_neox, gemma, names=("q", "positions"),

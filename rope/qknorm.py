@@ -6,6 +6,8 @@ x's dtype. q and k in one launch, each with its own weight [d] and head count.
 - `apply`: transformers' tables cos, sin [b or 1, s, rot]; differentiable in q, k and both weights.
 - `apply_cache`: positions [T] into vLLM's cos_sin_cache [max_position, rot]; q [T, hq, d]; differentiable;
   multimodal positions [3, T] with mrope_section as vLLM's MRotaryEmbedding (each pair its own stream).
+- `apply_freqs` (rope/qknorm_te.py): TransformerEngine's layouts and angles freqs (sbhd, bshd, thd with cu_seqlens,
+  start_positions, context parallel); differentiable.
 - `fused_qk_norm_rope`: vLLM's op, in place on packed qkv [T, (hq + hk + hv) * d], v untouched.
 """
 from __future__ import annotations
@@ -24,24 +26,26 @@ class _QKNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, state, q, k, q_weight, k_weight):
-        call, angles, index, pos_table, norm, eps = state
+        call, angles, start, index, pos_table, norm, eps = state
         ctx.state = state
         ctx.save_for_backward(q, k, q_weight, k_weight)
-        return _launch.norm_rotate_qk(call, q, k, (q_weight, k_weight), norm, eps, angles, None, index, pos_table)
+        return _launch.norm_rotate_qk(call, q, k, (q_weight, k_weight), norm, eps, angles, start, index, pos_table)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        call, angles, index, pos_table, norm, eps = ctx.state
+        call, angles, start, index, pos_table, norm, eps = ctx.state
         q, k, q_weight, k_weight = ctx.saved_tensors
         return None, *_launch.norm_rotate_qk_backward(call, grad_q, grad_k, q, k, (q_weight, k_weight), norm, eps,
-                                                      angles, None, index, pos_table)
+                                                      angles, start, index, pos_table)
 
 
 def _fused(qv, kv, q_weight, k_weight, state):
+    """The launch, differentiable where autograd records; `state`: (call, angles, start_positions, token index or
+    positions, pos_table, norm, eps)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (qv, kv, q_weight, k_weight)):
         return _QKNormFunction.apply(state, qv, kv, q_weight, k_weight)
-    call, angles, index, pos_table, norm, eps = state
-    return _launch.norm_rotate_qk(call, qv, kv, (q_weight, k_weight), norm, eps, angles, None, index, pos_table)
+    call, angles, start, index, pos_table, norm, eps = state
+    return _launch.norm_rotate_qk(call, qv, kv, (q_weight, k_weight), norm, eps, angles, start, index, pos_table)
 
 
 def reference_norm_rope(x, weight, eps, gemma, cos, sin, interleaved):
@@ -71,7 +75,8 @@ def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interle
                     False)
     key = ("qknorm", qv.shape, qv.stride(), qv.dtype, qv.device, kv.shape[2], rot, interleaved)
     call = call_for(key, lambda: Call(Layout(s, b, hq, d, rot, s, 0), "bshd", interleaved, None, None, 1, 0))
-    qo, ko = _fused(qv, kv, q_weight.contiguous(), k_weight.contiguous(), (call, angles, None, False, 1 + gemma, eps))
+    qo, ko = _fused(qv, kv, q_weight.contiguous(), k_weight.contiguous(),
+                    (call, angles, None, None, False, 1 + gemma, eps))
     return (qo.transpose(1, 2), ko.transpose(1, 2)) if unsqueeze_dim == 1 else (qo, ko)
 
 
@@ -126,7 +131,7 @@ def _cache_state(q, k, cache, positions, is_neox, gemma, eps, streams=(0, 0, 0, 
     call = call_for(key, lambda: Call(Layout(t, 1, hq, d, rot, rows, 0), "thd", not is_neox, None, None, 1, 0))
     angles = Angles(cache[:, :rot // 2], cache[:, rot // 2:], rows, cache.stride(0), 0, cache.stride(1), True, True,
                     0, streams)
-    return call, angles, positions[..., None] if streams[0] else positions, True, 1 + gemma, eps
+    return call, angles, None, positions[..., None] if streams[0] else positions, True, 1 + gemma, eps
 
 
 def _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams=(0, 0, 0, 0)):
@@ -138,4 +143,6 @@ def _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox
     return tuple(reference_norm_rope(x, w, eps, gemma, *full, not is_neox) for x, w in ((q, q_weight), (k, k_weight)))
 
 
-__all__ = ["apply", "apply_cache", "fused_qk_norm_rope", "reference_norm_rope"]
+from .qknorm_te import apply_freqs  # noqa: E402 - TransformerEngine's layouts, over this module's launch
+
+__all__ = ["apply", "apply_cache", "apply_freqs", "fused_qk_norm_rope", "reference_norm_rope"]

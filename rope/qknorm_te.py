@@ -1,0 +1,56 @@
+"""QK-RMSNorm fused with RoPE in TransformerEngine's layouts (`rope.qknorm.apply_freqs`): q and k as
+`rope.apply_rotary_pos_emb_qk` takes them (sbhd, bshd, or thd with cu_seqlens; start_positions; context parallel),
+angles `freqs` [s2, 1, 1, rot] or a `rope.RoPECache`; per head y = RoPE(RMSNorm(x) * w) as in `rope.qknorm`.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._apply import kernel_runs
+from ._launch import angles_for, table_angles, token_index_for
+from ._qknorm_checks import check_freqs_call
+from .cache import RoPECache
+from .qknorm import _fused, reference_norm_rope
+
+
+def apply_freqs(q, k, q_weight, k_weight, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
+                cu_seqlens=None, cp_size=1, cp_rank=0, eps=1e-6, gemma=False):
+    """RoPE(RMSNorm(q) * q_weight) and the same for k, at TransformerEngine's positions (docs/contract.md
+    sections 3 and 7e): q [s, b, hq, d] (sbhd), [b, s, hq, d] (bshd) or [t, hq, d] (thd, cu_seqlens [n + 1]),
+    k the same with hk heads, any strides; freqs [s2, 1, 1, rot] (rot <= d even, read as float32: the first rot
+    channels rotate, the norm spans all d) or a `rope.RoPECache`. Weights [d], any float dtype; gemma: Gemma's
+    (1 + w). float32 math, one rounding to q's dtype; new contiguous tensors in q's format; differentiable in q,
+    k and both weights (freqs get no gradient, as in TransformerEngine)."""
+    cache = freqs if isinstance(freqs, RoPECache) else None
+    angles_in = freqs if cache is None else cache.as_freqs
+    kernel = kernel_runs(q)
+    call = check_freqs_call(q, k, q_weight, k_weight, angles_in, tensor_format, start_positions, interleaved,
+                            cu_seqlens, cp_size, cp_rank, eps, gemma, memo=kernel)
+    if not kernel:
+        return _reference(q, k, q_weight, k_weight, angles_in, cache, call, tensor_format, start_positions,
+                          interleaved, cu_seqlens, cp_size, cp_rank, eps, gemma)
+    angles = angles_for(call, angles_in) if cache is None else table_angles(cache.cos, cache.sin, half=False)
+    token_index, pos_table = token_index_for(call, cu_seqlens)
+    return _fused(q, k, q_weight.contiguous(), k_weight.contiguous(),
+                  (call, angles, start_positions, token_index, pos_table, 1 + gemma, eps))
+
+
+def _reference(q, k, q_weight, k_weight, freqs, cache, layout, tensor_format, start_positions, interleaved,
+               cu_seqlens, cp_size, cp_rank, eps, gemma):
+    """The PyTorch path: `rope.reference`'s positions and angles (as `reference.apply_rotary_pos_emb` reads them),
+    then `reference_norm_rope` per tensor."""
+    pos = reference.token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, q.device)
+    if cache is not None:
+        cos, sin = reference.rows_at(cache.cos, pos), reference.rows_at(cache.sin, pos)
+    else:
+        f = reference.rows_at(freqs[:, 0, 0, :].float(), pos)
+        cos, sin = torch.cos(f), torch.sin(f)
+    if tensor_format == "bshd":  # positions come in (s, b) roles
+        cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    return tuple(reference_norm_rope(x, w, eps, gemma, cos, sin, interleaved).contiguous()
+                 for x, w in ((q, q_weight), (k, k_weight)))
+
+
+__all__ = ["apply_freqs"]
