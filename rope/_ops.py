@@ -1,8 +1,9 @@
 """The kernel as a PyTorch custom op, for `torch.compile`: Dynamo cannot trace the cached direct launch.
 
-`torch.ops.rope.rotate` is opaque, with a fake implementation (a new contiguous tensor) and autograd
-whose backward is the same op in the other direction. Eager calls skip it: the dispatcher would add
-several microseconds to every call.
+`torch.ops.rope.rotate` is opaque, with a fake implementation (a new contiguous tensor). Its autograd is
+`rope._apply._Rotation`, the node of every rotation, which traced code records around it (`_apply.apply_traced`):
+the backward is the same op in the other direction. Eager calls skip the op: the dispatcher would add several
+microseconds to every call.
 """
 from __future__ import annotations
 
@@ -29,20 +30,3 @@ def rotate(x: torch.Tensor, freqs: torch.Tensor, start_positions: Optional[torch
 @rotate.register_fake
 def _(x, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank, backward):
     return x.new_empty(x.shape)  # a new contiguous tensor of x's shape and dtype, as the kernel writes
-
-
-def _setup_context(ctx, inputs, output):
-    _, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank, backward = inputs
-    ctx.save_for_backward(freqs, start_positions, cu_seqlens)
-    ctx.args = (tensor_format, interleaved, cp_size, cp_rank, backward)
-
-
-def _backward(ctx, grad):
-    freqs, start_positions, cu_seqlens = ctx.saved_tensors
-    tensor_format, interleaved, cp_size, cp_rank, backward = ctx.args
-    grad_x = rotate(grad, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank,
-                    not backward)
-    return grad_x, None, None, None, None, None, None, None, None
-
-
-rotate.register_autograd(_backward, setup_context=_setup_context)

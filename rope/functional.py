@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _ops, reference
-from ._apply import _RoPEFunction, apply, on_kernel_device
+from . import reference
+from ._apply import TracedCall, apply, apply_traced, on_kernel_device
 from ._launch import angles_for, rotate, table_angles, token_index_for
 from ._validate import (
     check_bools,
@@ -20,7 +20,7 @@ from .cache import RoPECache
 
 
 def _state(call, freqs, cache, start_positions, cu_seqlens, inplace):
-    """The value checks of a checked call, then what its launches read (`_RoPEFunction`'s state)."""
+    """The value checks of a checked call, then what its launches read (`_apply.apply`'s arguments)."""
     if call.checks_values:
         check_positions(call.layout, call.tensor_format, start_positions, cu_seqlens, call.cp_size, call.cp_rank)
     angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
@@ -69,15 +69,15 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
         # Traced code: checks on shapes become guards, the launch an opaque custom op.
         check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
                      allow_float64=False)
-        out = _ops.rotate(t, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank,
-                          False)
+        out = apply_traced(t, TracedCall(freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size,
+                                         cp_rank))
         return t.copy_(out) if inplace else out
     call = checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
     state = _state(call, freqs, cache, start_positions, cu_seqlens, inplace)
     if inplace:  # after the value checks, in the reference's order
         check_inplace("t", t)
     if t.requires_grad and torch.is_grad_enabled():
-        return _RoPEFunction.apply(state, t)[0]
+        return apply((t,), *state)[0]
     # The eager no-grad call, the hot path: straight to the launcher, no tuples built or unpacked.
     return rotate(call, t, state[1], start_positions, state[3], False, inplace, state[4])
 
