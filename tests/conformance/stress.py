@@ -2,15 +2,17 @@
 as the native properties check it (run.forward, run.backward: the float64 oracle and the side-effect contract).
 
     python -m tests.conformance.stress [--impl rope] [--calls 3000] [--distinct 64] [--threads 8] [--seconds S]
-                                       [--json PATH]
+                                       [--processes P] [--json PATH]
 
 The calls are drawn first (each convention's own strategy, its capabilities as declared), then shuffled and
 run by `--threads` threads, each on a CUDA stream of its own (on a CPU, the current stream): the launcher's
 caches, the tables and the plans are shared by all of them while they run. Reports per convention the calls,
 the wrong results (a check failed: must be 0), the errors (anything else raised) and the device memory held
 before and after (growth: what the caches kept). `--seconds`: no call starts after that time, so that a run
-under a time limit still reports (the calls not run are counted as such). Exit status 1 if any call was wrong or
-raised.
+under a time limit still reports (the calls not run are counted as such). `--processes`: P processes share the
+device, each drawing and checking calls/P of its own (seeds seed, seed + 1, ...; the checks run on the host, under
+one interpreter lock per process), and the report sums them (memory: the largest growth of any one). Exit status 1
+if any call was wrong or raised.
 """
 from __future__ import annotations
 
@@ -18,9 +20,12 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import queue
 import random
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -120,6 +125,44 @@ def stress(impl: str, calls: int, threads: int, seed: int = 0, seconds: float = 
             "per_convention": {n: dict(c) for n, c in counts.items()}, "failures": failures[:50]}
 
 
+def in_processes(args) -> dict:
+    """`stress` in args.processes processes of this module, their reports summed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for i in range(args.processes):
+            cmd = [sys.executable, "-m", __spec__.name, "--impl", args.impl, "--threads", str(args.threads),
+                   "--calls", str(-(-args.calls // args.processes)), "--seed", str(args.seed + i),
+                   "--distinct", str(args.distinct), "--seconds", str(args.seconds),
+                   "--json", os.path.join(tmp, f"{i}.json")]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+        for proc in procs:
+            proc.wait()
+        reports = []
+        for i in range(args.processes):
+            path = os.path.join(tmp, f"{i}.json")
+            if not os.path.exists(path):
+                raise SystemExit(f"stress process {i} wrote no report (exit status {procs[i].returncode})")
+            with open(path) as f:
+                reports.append(json.load(f))
+    total = Counter()
+    per = {}
+    for r in reports:
+        for name, c in r["per_convention"].items():
+            per.setdefault(name, Counter()).update(c)
+    for key in ("calls", "not_run"):
+        total[key] = sum(r[key] for r in reports)
+    growth = max(r["memory_after"] - r["memory_before"] for r in reports)
+    return {"impl": args.impl, "calls": total["calls"], "not_run": total["not_run"],
+            "threads": args.threads * args.processes, "processes": args.processes,
+            "seconds": max(r["seconds"] for r in reports), "device": reports[0]["device"],
+            "memory_before": max(r["memory_before"] for r in reports),
+            "memory_after": max(r["memory_before"] for r in reports) + growth,
+            "max_memory": max(r["max_memory"] for r in reports),
+            "memory_growth_per_process": [r["memory_after"] - r["memory_before"] for r in reports],
+            "per_convention": {n: dict(c) for n, c in per.items()},
+            "failures": [line for r in reports for line in r["failures"]][:50]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impl", default="rope")
@@ -128,9 +171,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distinct", type=int, default=64, help="plans drawn per convention, reused with new seeds")
     parser.add_argument("--seconds", type=float, default=float("inf"), help="start no call after this many seconds")
+    parser.add_argument("--processes", type=int, default=1, help="processes sharing the device (host-bound checks)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    report = stress(args.impl, args.calls, args.threads, args.seed, args.seconds, args.distinct)
+    if args.processes > 1:
+        report = in_processes(args)
+    else:
+        report = stress(args.impl, args.calls, args.threads, args.seed, args.seconds, args.distinct)
     for name, c in report["per_convention"].items():
         print(f"{name:15s} {sum(c.values()):6d} calls  {c.get('wrong', 0):4d} wrong  {c.get('error', 0):4d} errors")
     print(f"{report['calls']} calls ({report['not_run']} not run) on {report['threads']} threads in "
