@@ -35,6 +35,8 @@ NAMED = {
         "te-qkv": (("rope:apply_fused_qkv_rotary_pos_emb",), {}),
         "qknorm": (("rope.qknorm:apply",), {}),
         "vllm-qknorm": (("rope.qknorm:fused_qk_norm_rope",), {}),
+        "te-qknorm": (("rope.qknorm:apply_freqs",), {}),
+        "qknorm-cache": (("rope.qknorm:apply_cache",), {}),
         "vllm-cache": (("rope.serving:rope_and_cache",), {}),
         "sglang-cache": (("rope.serving:apply_rope_inplace_with_kvcache",), {}),
         "meta": (("rope.meta:apply_rotary_emb",), {}),

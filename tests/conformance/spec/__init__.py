@@ -24,7 +24,8 @@ from ..tensors import DEVICE
 
 NAMES = ("hf", "hf-single", "hf-glm", "liger", "flash", "vllm", "hf-mrope", "vllm-mrope", "mrope", "qwen3vl-mrope",
          "te-qkv",
-         "meta", "torchtitan-complex", "torchtitan-cossin", "qknorm", "vllm-qknorm", "vllm-cache", "sglang-cache")
+         "meta", "torchtitan-complex", "torchtitan-cossin", "qknorm", "vllm-qknorm", "vllm-cache", "sglang-cache",
+         "te-qknorm", "qknorm-cache")
 
 
 class Expect(NamedTuple):
