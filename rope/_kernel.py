@@ -585,8 +585,10 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
           BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
           PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
           POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
-          SEC1: tl.constexpr, SEC2: tl.constexpr, QK: tl.constexpr):
+          SEC1: tl.constexpr, SEC2: tl.constexpr, QK: tl.constexpr, PDL: tl.constexpr):
     """One program of either kernel: its chunks of a group's rows, rotated by the group's angles."""
+    if PDL:  # launched as a programmatic dependent of the kernel before it: wait for that kernel's writes first
+        tl.extra.cuda.gdc_wait()
     s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
     r_begin = chunk * rows_per_program
     r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
@@ -633,7 +635,7 @@ def rope_kernel(
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
     FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr,
-    SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr,
+    SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr, PDL: tl.constexpr,
 ):
     """One tensor: x is q and k, and there are no k rows."""
     _rope(x_ptr, out_ptr, x_ptr, out_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
@@ -644,7 +646,7 @@ def rope_kernel(
           stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
           HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
           GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT,
-          FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, False)
+          FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, False, PDL)
 
 
 @triton.jit(do_not_specialize=_QK_COUNTS)
@@ -663,7 +665,7 @@ def rope_qk_kernel(
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     RNE_BF16: tl.constexpr, PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr,
     FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr,
-    SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr,
+    SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr, PDL: tl.constexpr,
 ):
     """q and k of one layer in one launch: a group's rows are q's then k's, its angles found once for both."""
     _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
@@ -674,7 +676,7 @@ def rope_qk_kernel(
           stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
           HEAD_DIM, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
           GROUP_PER_BATCH, HAS_START, USE_CP, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, PIN, INPLACE, TABLE, SPLIT,
-          FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, True)
+          FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2, True, PDL)
 
 
 @triton.jit(do_not_specialize=_NORM_COUNTS)

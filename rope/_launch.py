@@ -51,6 +51,11 @@ _THREADS_PER_SM = 2048
 # The interpreter runs programs one after another and a tile operation costs about the same at any size:
 # there, tiles take up to 64 rows (tests that need the GPU's decomposition ask for it).
 _INTERPRETER_TILE_ROWS = 64 if INTERPRET else 0
+# Programmatic dependent launch (PDL, Hopper and later) of the rotation kernels: the kernel is launched while the
+# kernel before it in the stream still runs and waits for its writes in its first instruction (`_kernel._rope`),
+# which hides its launch behind that kernel's last programs. Off by default: benchmarks/decode_study.py measures
+# it behind a matmul. Plans made while it is set keep it.
+PDL = os.environ.get("ROPE_PDL") == "1"
 # thd: cu_seqlens entries loaded per round of the search (`_kernel._sequence_of`), one per lane of a warp.
 _SEARCH_FANOUT = 32
 # QK norm's backward: each program writes its partial weight gradients (2 * d float32), so programs take several
@@ -141,9 +146,9 @@ def kernel_args(kernel, named: dict) -> tuple:
 class Plan:
     """Grid, scalar arguments and, once compiled, the direct launcher for one call signature."""
 
-    __slots__ = ("kernel", "grid", "scalars", "num_warps", "device", "dense", "compiled")
+    __slots__ = ("kernel", "grid", "scalars", "num_warps", "device", "dense", "compiled", "pdl")
 
-    def __init__(self, kernel, grid, scalars, num_warps, device, dense):
+    def __init__(self, kernel, grid, scalars, num_warps, device, dense, pdl=False):
         self.kernel = kernel
         self.dense = dense  # per input tensor (x; or q, k): strides exactly those of its new output
         self.device = device.index if device.type == "cuda" else None
@@ -151,6 +156,7 @@ class Plan:
         self.scalars = scalars  # every argument after the pointers, in the kernel's order (`kernel_args`)
         self.num_warps = num_warps
         self.compiled = None
+        self.pdl = pdl  # launched as a programmatic dependent of the kernel before it (`PDL`)
 
     def arg(self, name: str):
         """The value of the kernel's scalar argument `name` (tests and tools; not on the hot path)."""
@@ -322,6 +328,9 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     else:
         args.update(q_heads=layout.h, k_heads=k.shape[-2], q_rows=q_rows, k_rows=k_rows)
     dense = tuple(_dense(t, tensor_format) for t in tensors)
+    pdl = PDL and x.is_cuda and not norm
+    if not norm:
+        args.update(PDL=pdl)
     if norm:
         items = n_groups * chunks
         progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items
@@ -331,7 +340,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
                        for role, st in zip("sbhd", rs)})
         return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, args), num_warps, x.device,
                     dense)
-    return Plan(kernel, (n_groups * chunks, 1, 1), kernel_args(kernel, args), num_warps, x.device, dense)
+    return Plan(kernel, (n_groups * chunks, 1, 1), kernel_args(kernel, args), num_warps, x.device, dense, pdl)
 
 
 def _hook_present(hook) -> bool:
@@ -367,7 +376,8 @@ def run(plan: Plan, pointers: tuple):
     if compiled is not None:  # a profiler's launch hooks are set: take Triton's path, which calls them
         compiled[plan.grid](*pointers, *plan.scalars)
         return
-    compiled = plan.kernel[plan.grid](*pointers, *plan.scalars, num_warps=plan.num_warps)
+    options = dict(launch_pdl=True) if plan.pdl else {}  # the compiled launcher then launches it so every time
+    compiled = plan.kernel[plan.grid](*pointers, *plan.scalars, num_warps=plan.num_warps, **options)
     if not INTERPRET:
         compiled._init_handles()
         plan.compiled = compiled

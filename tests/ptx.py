@@ -23,12 +23,12 @@ from rope._kernel import rope_kernel, rope_qk_kernel
 
 CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "INTERLEAVED", "BACKWARD", "IS_THD", "GROUP_PER_BATCH", "HAS_START", "USE_CP",
               "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE", "SPLIT", "FANOUT",
-              "POS_TABLE", "HALF_TABLE", "MROPE", "SEC0", "SEC1", "SEC2")
+              "POS_TABLE", "HALF_TABLE", "MROPE", "SEC0", "SEC1", "SEC2", "PDL")
 
 
 def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=False, backward=False, thd=False,
                     start=False, cp=False, inplace=False, block_r=8, num_warps=2, table=False, split=False,
-                    pos_table=False, mrope=0, sections=(0, 0, 0)):
+                    pos_table=False, mrope=0, sections=(0, 0, 0), pdl=False):
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
     values = dict(HEAD_DIM=d, ROT_DIM=d2, INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=thd,
@@ -36,7 +36,8 @@ def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=Fa
                   BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, RNE_BF16=False, PIN=True, INPLACE=inplace,
                   TABLE=table, SPLIT=split, FANOUT=32 if thd and not pos_table else 1,
                   POS_TABLE=pos_table, HALF_TABLE=False, MROPE=mrope, SEC0=sections[0], SEC1=sections[1],
-                  SEC2=sections[2])
+                  SEC2=sections[2], PDL=pdl)
+    values = {name: v for name, v in values.items() if name in kernel.arg_names}  # an older kernel may lack some
     signature, constexprs, attrs = {}, dict(values), {}
     for i, name in enumerate(kernel.arg_names):
         if name in CONSTEXPRS:
@@ -82,6 +83,7 @@ VARIANTS = [
     ("table, thd start + cp", dict(table=True, thd=True, start=True, cp=True, split=True)),
     ("table, start in place", dict(table=True, start=True, inplace=True)),
     ("fp16 d80 partial, split", dict(dtype="fp16", d=80, d2=64, split=True)),
+    ("table, thd positions, PDL", dict(table=True, thd=True, pos_table=True, block_r=8, num_warps=1, pdl=True)),
 ]
 
 
