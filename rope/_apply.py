@@ -41,7 +41,7 @@ def _rotate(state, ts, backward):
     return rotate_qk(call, *ts, angles, start_positions, token_index, backward, inplace and not backward, pos_table)
 
 
-class _Rotation(torch.autograd.Function):
+class Rotation(torch.autograd.Function):
     """The one autograd node of every rotation rope runs, eager or traced, kernel or a reference's leaf write.
     A rotation is orthogonal and its angles get no gradient (as in TransformerEngine), so the vector-Jacobian
     product is the inverse rotation (-sin) of the upstream gradients, at the same positions: `_rotate(state,
@@ -74,7 +74,7 @@ class _Rotation(torch.autograd.Function):
 def write_leaf(x, rotate):
     """x (a leaf that requires grad) rotated in its memory by rotate(x, False); returns a new tensor over x's memory
     whose backward is rotate(grad, True), a new tensor (the upstream gradient is left as it is)."""
-    return _Rotation.apply(rotate, "leaf", x)[0]
+    return Rotation.apply(rotate, "leaf", x)[0]
 
 
 def leaf_written(x, inplace) -> bool:
@@ -83,9 +83,9 @@ def leaf_written(x, inplace) -> bool:
 
 
 def apply_traced(t, traced: TracedCall):
-    """t rotated by the custom op in traced code, differentiable through `_Rotation` where autograd records."""
+    """t rotated by the custom op in traced code, differentiable through `Rotation` where autograd records."""
     if torch.is_grad_enabled() and t.requires_grad:
-        return _Rotation.apply(traced, None, t)[0]
+        return Rotation.apply(traced, None, t)[0]
     return _ops.rotate(t, *traced, False)
 
 
@@ -99,9 +99,9 @@ def apply(ts, call, angles, start_positions=None, token_index=None, pos_table=Fa
         if inplace and len(ts) > 1 and (ts[0]._is_view() or ts[1]._is_view()):
             # Autograd rebases the history of a view written in place only for a Function of one output
             # (q and k sliced from a fused qkv projection): then one launch each.
-            return (_Rotation.apply(state, written, ts[0])[0],
-                    _Rotation.apply((call.for_tensor(ts[1]), *state[1:]), written, ts[1])[0])
-        return _Rotation.apply(state, written, *ts)
+            return (Rotation.apply(state, written, ts[0])[0],
+                    Rotation.apply((call.for_tensor(ts[1]), *state[1:]), written, ts[1])[0])
+        return Rotation.apply(state, written, *ts)
     return _rotate(state, ts, False)
 
 

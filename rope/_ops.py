@@ -1,7 +1,7 @@
 """The kernel as a PyTorch custom op, for `torch.compile`: Dynamo cannot trace the cached direct launch.
 
 `torch.ops.rope.rotate` is opaque, with a fake implementation (a new contiguous tensor). Its autograd is
-`rope._apply._Rotation`, the node of every rotation, which traced code records around it (`_apply.apply_traced`):
+`rope._apply.Rotation`, the node of every rotation, which traced code records around it (`_apply.apply_traced`):
 the backward is the same op in the other direction. Eager calls skip the op: the dispatcher would add several
 microseconds to every call.
 """

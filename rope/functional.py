@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._apply import TracedCall, apply, apply_traced, on_kernel_device
+from ._apply import Rotation, TracedCall, apply, apply_traced, on_kernel_device
 from ._launch import angles_for, rotate, table_angles, token_index_for
 from ._validate import (
     check_bools,
@@ -77,7 +77,7 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     if inplace:  # after the value checks, in the reference's order
         check_inplace("t", t)
     if t.requires_grad and torch.is_grad_enabled():
-        return apply((t,), *state)[0]
+        return Rotation.apply(state, "dirty" if inplace else None, t)[0]  # a leaf was refused above
     # The eager no-grad call, the hot path: straight to the launcher, no tuples built or unpacked.
     return rotate(call, t, state[1], start_positions, state[3], False, inplace, state[4])
 
