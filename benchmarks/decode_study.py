@@ -11,8 +11,9 @@ graph and replayed (bench_rope.gpu_us).
    its q and k heads): the copy; plus a table row at the token's own index (two independent loads); plus a row at
    a position loaded first (position -> row -> rotation: the chain of start_positions and vLLM's positions).
 3. rope's calls at each shape, and Liger's where it has the form.
-4. Tile per token: rope's table-kernel tile for small tensors (`rope._launch._TABLE_ROWS_SMALL` rows, so
-   one program per token where it covers the token's 40 heads).
+4. Tile per token: rope's table-kernel tile for decode-size tensors whose group is one token
+   (`rope._launch._TABLE_ROWS_TOKEN` rows: 64 covers a token's 40 heads, one program per token; 8 was the tile of
+   every table call before).
 5. PDL (programmatic dependent launch, `rope._launch.PDL`): rope behind a real producer, the q/k projection
    (a bf16 matmul [64, 4096] x [4096, 5120]), matmul + rope with and without PDL, and the matmul alone.
 """
@@ -28,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench_rope, and the checkout's rope
 
 import rope  # noqa: E402
 import rope._launch as launch  # noqa: E402
@@ -170,10 +172,10 @@ def main(argv=None):
     part("1-2. floors and the dependent-load chain", chain_calls(a))
     part("3. rope", rope_calls(a))
     part("3. liger", liger_calls(a))
-    for rows in (8, 16, 32, 64):
-        with_setting("_TABLE_ROWS_SMALL", rows,
+    for rows in (8, 16, 32, 64):  # 8: the tile of every table call before one program per token
+        with_setting("_TABLE_ROWS_TOKEN", rows,
                      lambda: part(f"4. tile per token: {rows} rows", {n: f for n, f in rope_calls(a).items()
-                                                                       if n in ("hf q+k", "vllm q+k")}))
+                                                                       if not n.startswith("mrope")}))
 
     def producer():
         return torch.matmul(a["x"], a["w"], out=prod)  # the q/k/v projection, then q and k read from it

@@ -43,6 +43,10 @@ _TABLE_ROWS = 8
 _TABLE_ROWS_PER_STREAM = 32
 _TABLE_ROWS_SMALL = 16
 _TABLE_ROWS_SMALL_BYTES_PER_SM = 16384
+# Decode: tensors of up to 16 KB per SM whose group is one token (start_positions, positions, tables per sequence)
+# take a token's heads in one tile, one program per token (q and k: 40 rows of Llama-3-8B's 32 + 8 heads), so that
+# each token's positions and table row are loaded once, by one program (benchmarks/decode_study.py, part 4).
+_TABLE_ROWS_TOKEN = 64
 _TABLE_THD_BYTES = 4096
 _POS_TABLE_THD_BYTES = 2048
 _TABLE_BYTES_PER_THREAD = 32
@@ -196,8 +200,11 @@ def _table_tile(tensor_bytes: int, device, spans_batch: bool, per_stream: bool =
     sms = _sm_count(device)
     if tensor_bytes > sms * _THREADS_PER_SM * _TABLE_BYTES_PER_THREAD:
         return (_TABLE_ROWS_PER_STREAM if per_stream else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD
-    tiny = (spans_batch and tensor_bytes <= sms * _TABLE_ROWS_SMALL_BYTES_PER_SM) or per_stream
-    return (_TABLE_ROWS_SMALL if tiny else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD_SMALL
+    if per_stream:
+        return _TABLE_ROWS_SMALL, _TABLE_BYTES_PER_THREAD_SMALL
+    if tensor_bytes <= sms * _TABLE_ROWS_SMALL_BYTES_PER_SM:
+        return (_TABLE_ROWS_SMALL if spans_batch else _TABLE_ROWS_TOKEN), _TABLE_BYTES_PER_THREAD_SMALL
+    return _TABLE_ROWS, _TABLE_BYTES_PER_THREAD_SMALL
 
 
 def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int, table_tile):
