@@ -11,9 +11,8 @@ graph and replayed (bench_rope.gpu_us).
    its q and k heads): the copy; plus a table row at the token's own index (two independent loads); plus a row at
    a position loaded first (position -> row -> rotation: the chain of start_positions and vLLM's positions).
 3. rope's calls at each shape, and Liger's where it has the form.
-4. Tile per token: rope's table-kernel tile for decode-size tensors whose group is one token
-   (`rope._launch._TABLE_ROWS_TOKEN` rows: 64 covers a token's 40 heads, one program per token; 8 was the tile of
-   every table call before).
+4. Tile per token: rope's table-kernel tile for decode-size tensors (`rope._launch._TABLE_ROWS_SMALL` rows; 64
+   covers a token's 40 heads, one program per token).
 5. PDL (programmatic dependent launch, `rope._launch.PDL`): rope behind a real producer, the q/k projection
    (a bf16 matmul [64, 4096] x [4096, 5120]), matmul + rope with and without PDL, and the matmul alone.
 """
@@ -172,8 +171,8 @@ def main(argv=None):
     part("1-2. floors and the dependent-load chain", chain_calls(a))
     part("3. rope", rope_calls(a))
     part("3. liger", liger_calls(a))
-    for rows in (8, 16, 32, 64):  # 8: the tile of every table call before one program per token
-        with_setting("_TABLE_ROWS_TOKEN", rows,
+    for rows in (8, 16, 32, 64):  # 8: the tile of table calls whose group is one token, before part 4
+        with_setting("_TABLE_ROWS_SMALL", rows,
                      lambda: part(f"4. tile per token: {rows} rows", {n: f for n, f in rope_calls(a).items()
                                                                        if not n.startswith("mrope")}))
 

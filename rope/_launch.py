@@ -33,7 +33,9 @@ _EVAL_ROWS_16BIT = 16
 _PROGRAMS_PER_SM = 8
 # Kernel reading the cos/sin table: a program is one tile, as in a copy kernel, with 32 bytes of each
 # row-half per thread; 16 for tensors small enough to be in flight at once, and 16-row tiles up to
-# 16 KB per SM where a group spans the batch. thd programs cover 4 KB of `t` where a search of
+# 16 KB per SM (decode), whether a group spans the batch or is one token's heads: at decode, 8-row tiles
+# load each token's angles in 5 programs (q and k of 32 + 8 heads), one 64-row tile leaves SMs idle
+# (benchmarks/decode_study.py, part 4: 1.93 µs for transformers' decode q+k against 2.23 and 2.05). thd programs cover 4 KB of `t` where a search of
 # cu_seqlens takes several rounds, 2 KB where they read the position table.
 _TABLE_ROWS = 8
 # Tables given per stream (transformers' multimodal [3, b, s, d]) hold three rows per token, each read once,
@@ -43,10 +45,6 @@ _TABLE_ROWS = 8
 _TABLE_ROWS_PER_STREAM = 32
 _TABLE_ROWS_SMALL = 16
 _TABLE_ROWS_SMALL_BYTES_PER_SM = 16384
-# Decode: tensors of up to 16 KB per SM whose group is one token (start_positions, positions, tables per sequence)
-# take a token's heads in one tile, one program per token (q and k: 40 rows of Llama-3-8B's 32 + 8 heads), so that
-# each token's positions and table row are loaded once, by one program (benchmarks/decode_study.py, part 4).
-_TABLE_ROWS_TOKEN = 64
 _TABLE_THD_BYTES = 4096
 _POS_TABLE_THD_BYTES = 2048
 _TABLE_BYTES_PER_THREAD = 32
@@ -200,11 +198,8 @@ def _table_tile(tensor_bytes: int, device, spans_batch: bool, per_stream: bool =
     sms = _sm_count(device)
     if tensor_bytes > sms * _THREADS_PER_SM * _TABLE_BYTES_PER_THREAD:
         return (_TABLE_ROWS_PER_STREAM if per_stream else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD
-    if per_stream:
-        return _TABLE_ROWS_SMALL, _TABLE_BYTES_PER_THREAD_SMALL
-    if tensor_bytes <= sms * _TABLE_ROWS_SMALL_BYTES_PER_SM:
-        return (_TABLE_ROWS_SMALL if spans_batch else _TABLE_ROWS_TOKEN), _TABLE_BYTES_PER_THREAD_SMALL
-    return _TABLE_ROWS, _TABLE_BYTES_PER_THREAD_SMALL
+    tiny = tensor_bytes <= sms * _TABLE_ROWS_SMALL_BYTES_PER_SM or per_stream
+    return (_TABLE_ROWS_SMALL if tiny else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD_SMALL
 
 
 def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group: int, table_tile):

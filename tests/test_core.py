@@ -362,8 +362,8 @@ def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inne
 
 # thd reading the table: where the search of cu_seqlens takes several rounds, a program covers a
 # few KB of its token's rows (the launcher's _TABLE_THD_BYTES, or _POS_TABLE_THD_BYTES where the
-# positions are read from their table instead), several 8-row tiles, and a token with more rows is
-# split over programs; with one round, a program is one tile. Each shape is checked to take its
+# positions are read from their table instead), several tiles (8 rows, 16 for decode-size tensors: the
+# plan's BLOCK_R), and a token with more rows is split over programs; with one round, a program is one tile. Each shape is checked to take its
 # path, then against the reference (which the eager call runs with the position table where many).
 @pytest.mark.parametrize("h,d,dtype,many,split", [
     (20, 8, torch.float32, True, False),  # 32-byte rows: every token in one program of 3 tiles
@@ -383,13 +383,13 @@ def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomp
     layout = check_static(t, freqs, "thd", None, False, cu, 1, 0, allow_float64=False)
     table = _launch.table_angles(*_table._build(freqs, 6, d)[1], half=False)
     plan = _launch.make_plan(t, layout, "thd", False, False, 1, 0, table, backward=False)
-    rows_per_program = plan.arg("rows_per_program")
-    assert (rows_per_program > 8) == many and (rows_per_program < h) == split
+    rows_per_program, block_r = plan.arg("rows_per_program"), plan.arg("BLOCK_R")
+    assert (rows_per_program > block_r) == many and (rows_per_program < h) == split
     assert plan.grid[0] == 5 * -(-h // rows_per_program)
     positions = _launch.make_plan(t, layout, "thd", False, False, 1, 0, table, backward=False, pos_table=True)
     row_bytes = d * t.element_size()
-    expected = 8 * max(1, _launch._POS_TABLE_THD_BYTES // (8 * row_bytes)) if many else 8
-    assert positions.arg("rows_per_program") == min(expected, -(-h // 8) * 8)
+    expected = block_r * max(1, _launch._POS_TABLE_THD_BYTES // (block_r * row_bytes)) if many else block_r
+    assert positions.arg("rows_per_program") == min(expected, -(-h // block_r) * block_r)
     assert positions.arg("POS_TABLE") and positions.arg("FANOUT") == 1
     out, grad, ref, ref_grad = run_both(t, freqs, g, tensor_format="thd", cu_seqlens=cu)
     assert_within_rounding(out, ref, t, d, False, "forward")
@@ -424,8 +424,8 @@ def test_thd_many_sequences(fanout, cp, start, angle_source, monkeypatch, poison
 
 def test_table_tile_rule(monkeypatch):
     """Tensors small enough to be in flight at once (32 bytes per resident thread) get 16-byte
-    accesses, and up to 16 KB per SM tiles of up to 16 rows where a group spans the batch; larger
-    ones 32-byte accesses and 8-row tiles (docs/design.md)."""
+    accesses, and up to 16 KB per SM (decode) tiles of up to 16 rows; larger ones 32-byte accesses and
+    8-row tiles (docs/design.md)."""
     from rope import _launch
 
     gpu = torch.device("cuda", 0)
@@ -435,7 +435,8 @@ def test_table_tile_rule(monkeypatch):
     try:
         tiny = 132 * _launch._TABLE_ROWS_SMALL_BYTES_PER_SM
         assert _launch._table_tile(tiny, gpu, True) == (16, 16)
-        assert _launch._table_tile(tiny, gpu, False) == (8, 16)  # a token's heads (decode, thd)
+        assert _launch._table_tile(tiny, gpu, False) == (16, 16)  # a token's heads (decode, thd)
+        assert _launch._table_tile(tiny + 1, gpu, False) == (8, 16)
         assert _launch._table_tile(tiny + 1, gpu, True) == (8, 16)
         assert _launch._table_tile(limit, gpu, True) == (8, 16)
         assert _launch._table_tile(limit + 1, gpu, True) == (8, 32)
