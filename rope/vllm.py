@@ -52,7 +52,7 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     flat = positions.reshape(-1)
     q, k, cos, sin, rows = _checked(positions, query, key, head_size, cos_sin_cache, is_neox)
     check_token_positions(flat, positions.numel(), q, "query")
-    check_positions_in(flat, rows)
+    check_positions_in(positions, rows)  # the caller's tensor, whose identity the value-check memo keys on
     _rotate(q, k, cos, sin, cos_sin_cache, flat, is_neox, (0, 0, 0, 0))
     return None
 

@@ -322,6 +322,26 @@ def test_value_checks_run_once_per_unmodified_index_tensor(monkeypatch):
     assert not validate._still(validate._stamp(first), other)
 
 
+@pytest.mark.parametrize("shape", [(6,), (2, 3)], ids=["tokens", "batch-seq"])
+def test_per_token_positions_checked_once_per_unmodified_tensor(monkeypatch, shape):
+    """vLLM's positions, passed unmodified to every layer, cost one device-to-host check, not one per call."""
+    import rope.vllm
+
+    calls = []
+    real = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    gen = torch.Generator().manual_seed(11)
+    positions = torch.randint(0, 8, shape, generator=gen).to(DEVICE)
+    cache = torch.randn(8, 8, generator=gen).to(DEVICE)
+    query = torch.randn(*shape, 2 * 8, generator=gen).to(DEVICE)
+    for _ in range(3):
+        rope.vllm.rotary_embedding(positions, query, None, 8, cache, True)
+    assert len(calls) == 1
+    positions[0] = 7  # a write PyTorch counts: checked again
+    rope.vllm.rotary_embedding(positions, query, None, 8, cache, True)
+    assert len(calls) == 2
+
+
 # The launcher's 1-D program order (rope._kernel, "Work decomposition"): `inner`, the number of a
 # group's row chunks that are adjacent in memory, for layouts with several chunks per group.
 # "chunks": all of a group's chunks (its rows are contiguous). Every output element must be
