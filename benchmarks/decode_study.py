@@ -173,7 +173,7 @@ def main(argv=None):
     part("3. liger", liger_calls(a))
     for rows in (8, 16, 32, 64):  # 8: the tile of table calls whose group is one token, before part 4
         with_setting("_TABLE_ROWS_SMALL", rows,
-                     lambda: part(f"4. tile per token: {rows} rows", {n: f for n, f in rope_calls(a).items()
+                     lambda rows=rows: part(f"4. tile per token: {rows} rows", {n: f for n, f in rope_calls(a).items()
                                                                        if not n.startswith("mrope")}))
 
     def producer():

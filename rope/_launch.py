@@ -35,8 +35,9 @@ _PROGRAMS_PER_SM = 8
 # row-half per thread; 16 for tensors small enough to be in flight at once, and 16-row tiles up to
 # 16 KB per SM (decode), whether a group spans the batch or is one token's heads: at decode, 8-row tiles
 # load each token's angles in 5 programs (q and k of 32 + 8 heads), one 64-row tile leaves SMs idle
-# (benchmarks/decode_study.py, part 4: 1.93 µs for transformers' decode q+k against 2.23 and 2.05). thd programs cover 4 KB of `t` where a search of
-# cu_seqlens takes several rounds, 2 KB where they read the position table.
+# (benchmarks/decode_study.py, part 4: 1.93 µs for transformers' decode q+k against 2.23 and 2.05).
+# thd programs cover 4 KB of `t` where a search of cu_seqlens takes several rounds, 2 KB where they read
+# the position table.
 _TABLE_ROWS = 8
 # Tables given per stream (transformers' multimodal [3, b, s, d]) hold three rows per token, each read once,
 # from DRAM: a tile takes up to a token's q and k heads (28 + 4 in Qwen2-VL-7B), so that one gather of angles
@@ -310,11 +311,12 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     kernel = rope_kernel if k is None else rope_qk_kernel
     names = ("x", "o") if k is None else ("q", "qo", "k", "ko")
     outs = (_out_roles(t, tensor_format, inplace) for t in tensors)
-    roles = [r for t, o in zip(tensors, outs) for r in (_roles(t, tensor_format), o)]
+    roles = [r for t, o in zip(tensors, outs, strict=True) for r in (_roles(t, tensor_format), o)]
     args = dict(
         rows_per_program=rows_per_program, n_groups=n_groups, inner=inner, seq_len=layout.s, n_seqs=layout.n_seqs,
         freqs_len=angles.length, cp_size=cp_size, cp_rank=cp_rank, n_batch=layout.b,
-        **{f"stride_{name}{role}": st for name, rs in zip(names, roles) for role, st in zip("sbhd", rs)},
+        **{f"stride_{name}{role}": st for name, rs in zip(names, roles, strict=True)
+           for role, st in zip("sbhd", rs, strict=True)},
         stride_fs=angles.stride_s, stride_fb=angles.stride_b, stride_fd=angles.stride_d, stride_fm=angles.stride_m,
         stride_ps=pos_strides[1], stride_pb=pos_strides[2], stride_pm=pos_strides[0],
         HEAD_DIM=layout.d, ROT_DIM=layout.rot_dim, INTERLEAVED=interleaved, BACKWARD=backward,
@@ -338,8 +340,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items
         saved_roles = [_roles(t, tensor_format) for t in saved] if saved else [(0,) * 4] * 2
         args.update(n_items=items, n_progs=max(progs, 1), eps=float(eps), NORM=norm,
-                    **{f"stride_s{name}{role}": st for name, rs in zip("qk", saved_roles)
-                       for role, st in zip("sbhd", rs)})
+                    **{f"stride_s{name}{role}": st for name, rs in zip("qk", saved_roles, strict=True)
+                       for role, st in zip("sbhd", rs, strict=True)})
         return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, args), num_warps, x.device,
                     dense)
     return Plan(kernel, (n_groups * chunks, 1, 1), kernel_args(kernel, args), num_warps, x.device, dense, pdl)
@@ -545,9 +547,9 @@ def _cache_plan(q, k, v, key_cache, value_cache, slots, positions, cos, sin, row
         q_heads=hq, k_heads=hk, q_rows=hq, k_rows=hk, rows_per_program=rows_per_program, n_groups=t, inner=chunks,
         freqs_len=rows, n_slot_entries=slots.shape[0], n_cache_slots=n_blocks * block_size, block_size=block_size,
         **{f"stride_{name}{role}": st for name, x in (("q", q), ("k", k), ("v", v))
-           for role, st in zip("shd", x.stride())},
+           for role, st in zip("shd", x.stride(), strict=True)},
         **{f"stride_{name}{role}": st for name, x in (("kc", key_cache), ("vc", value_cache))
-           for role, st in zip("bohd", x.stride())},
+           for role, st in zip("bohd", x.stride(), strict=True)},
         stride_fs=cos.stride(0), stride_fd=cos.stride(1), stride_ps=positions.stride(0), stride_slot=slots.stride(0),
         HEAD_DIM=d, ROT_DIM=rot, INTERLEAVED=interleaved, BLOCK_R=block_r, BLOCK_HALF=block_half,
         BLOCK_TAIL=block_tail, BLOCK_D=triton.next_power_of_2(d), RNE_BF16=INTERPRET and q.dtype == torch.bfloat16,

@@ -383,8 +383,9 @@ def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inne
 # thd reading the table: where the search of cu_seqlens takes several rounds, a program covers a
 # few KB of its token's rows (the launcher's _TABLE_THD_BYTES, or _POS_TABLE_THD_BYTES where the
 # positions are read from their table instead), several tiles (8 rows, 16 for decode-size tensors: the
-# plan's BLOCK_R), and a token with more rows is split over programs; with one round, a program is one tile. Each shape is checked to take its
-# path, then against the reference (which the eager call runs with the position table where many).
+# plan's BLOCK_R), and a token with more rows is split over programs; with one round, a program is one
+# tile. Each shape is checked to take its path, then against the reference (which the eager call runs
+# with the position table where many).
 @pytest.mark.parametrize("h,d,dtype,many,split", [
     (20, 8, torch.float32, True, False),  # 32-byte rows: every token in one program of 3 tiles
     (40, 64, torch.bfloat16, True, True),  # 128-byte rows: 40 rows do not fit one program
