@@ -66,7 +66,7 @@ def main(argv=None):
             res[shape]["fwd"][f"{rows} rows, {per_thread} B"] = us
             print(f"  fwd  {rows:3d} rows {per_thread:3d} B/thread  {us:7.2f} µs  {clone / us:.2f} of copy")
         default_bwd = (launch._NORM_ROWS, launch._NORM_PROGRAMS_PER_SM)
-        for rows, progs in [default_bwd, *[c for c in itertools.product((32, 64, 128), (2, 4, 8))
+        for rows, progs in [default_bwd, *[c for c in itertools.product((64, 128), (4, 8, 16))
                                            if c != default_bwd]]:
             with settings(_NORM_ROWS=rows, _NORM_PROGRAMS_PER_SM=progs):
                 us = bq.graph_us(bq.calls(bq.fused_path, a, "fwd+bwd"))

@@ -63,8 +63,10 @@ PDL = os.environ.get("ROPE_PDL") == "1"
 _SEARCH_FANOUT = 32
 # QK norm's backward: each program writes its partial weight gradients (2 * d float32), so programs take several
 # work items in turn (at most _NORM_PROGRAMS_PER_SM programs per SM) of up to _NORM_ROWS rows each: the partials
-# stay a few hundred KB, against the tens of MB of q and k, whatever the number of tokens.
-_NORM_PROGRAMS_PER_SM = 4
+# stay about 1 MB, against the tens of MB of q and k, whatever the number of tokens. 8 programs per SM keep enough
+# loads in flight (benchmarks/qknorm_study.py on an H200, Qwen3-8B fwd+bwd: 4K tokens 166.9 -> 136.6 µs, 16K
+# 591.6 -> 465.6 against 4 per SM; 64 or 128 rows alike, 32 slower).
+_NORM_PROGRAMS_PER_SM = 8
 _NORM_ROWS = 64
 
 
