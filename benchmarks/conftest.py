@@ -6,8 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 
 HERE = Path(__file__).resolve().parent
+
+# The compiled peers (transformers' paths under torch.compile) are one function each, compiled once per case:
+# Dynamo's default limit of 8 recompilations per function would be reached after a few cases, and the rest would
+# then run eagerly and be reported as compiled.
+for _name in ("recompile_limit", "cache_size_limit"):
+    if hasattr(torch._dynamo.config, _name):
+        setattr(torch._dynamo.config, _name, 256)
 
 
 def pytest_collection_modifyitems(config, items):
