@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import rope.serving as sv
 import rope.vllm
 
-from .cases import DEVICE, gpu_only
+from .cases import DEVICE, ON_GPU, gpu_only
 
 pytestmark = pytest.mark.ours_only
 FP8 = torch.float8_e4m3fn
@@ -141,6 +143,57 @@ def test_equals_rope_then_index_write_bitwise(fp8):
     sv.rope_and_cache(**args)
     for got, w in zip((args["query"], args["key"], args["key_cache"], args["value_cache"]), want, strict=True):
         assert torch.equal(got.view(torch.uint8), w.view(torch.uint8))
+
+
+def _every_bf16_stored(scale):
+    """Every bf16 value but NaN (the 65536 patterns: zeros of both signs, subnormals, infinities) as v, stored by
+    the fused op into an fp8 value cache at `scale`: (the cache's bytes, vLLM's e4m3(v / scale), the quotient in
+    float32 rounded once, saturated)."""
+    v = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v).reshape(128, 4, 128)
+    t, hk, d = v.shape
+    gen = torch.Generator().manual_seed(21)
+    args = dict(positions=torch.zeros(t, dtype=torch.int64), query=torch.randn(t, d, generator=gen).bfloat16(),
+                key=torch.randn(t, hk * d, generator=gen).bfloat16(), value=v,
+                key_cache=torch.zeros(8, 16, hk, d, dtype=FP8), value_cache=torch.zeros(8, 16, hk, d, dtype=FP8),
+                slot_mapping=torch.arange(t), cos_sin_cache=torch.randn(4, d, generator=gen), is_neox=True,
+                kv_cache_dtype="fp8", k_scale=torch.tensor([scale]), v_scale=torch.tensor([scale]))
+    args = {n: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for n, x in args.items()}
+    sv.rope_and_cache(**args)
+    want = (args["value"].float() / args["v_scale"]).clamp(-448, 448).to(FP8)
+    return args["value_cache"].view(-1, hk, d)[:t].view(torch.uint8), want.view(torch.uint8)
+
+
+# 0.0375: a scale where x * RN(1 / scale), unrounded further, gives another e4m3 byte than x / scale for 2 of the
+# bf16 values; 0.004: quotients beyond float32's range for |x| > 1.4e36.
+@pytest.mark.parametrize("scale", [0.0375, 0.004])
+def test_fp8_store_equals_the_division_for_every_bf16_value(scale):
+    """The kernel divides by the scale without a division per element (`rope._kernel._to_cache`): its bytes equal
+    vLLM's rounded quotient for every value."""
+    got, want = _every_bf16_stored(scale)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} bytes differ"
+
+
+@triton.jit
+def _product_only(x, scale, inv):
+    return x.to(tl.float32) * inv  # no correction step
+
+
+@triton.jit
+def _unguarded(x, scale, inv):
+    xf = x.to(tl.float32)
+    q0 = xf * inv
+    return tl.fma(tl.fma(-q0, scale, xf), inv, q0)  # inf - inf where the product overflows; the sign of -0 lost
+
+
+@pytest.mark.skipif(ON_GPU, reason="replaces a kernel helper, which only the interpreter resolves at each call")
+@pytest.mark.parametrize("helper,scale", [(_product_only, 0.0375), (_unguarded, 0.004)], ids=["product", "unguarded"])
+def test_fp8_division_check_catches_planted_roundings(monkeypatch, helper, scale):
+    import rope._kernel
+
+    monkeypatch.setattr(rope._kernel, "_quotient", helper)
+    got, want = _every_bf16_stored(scale)
+    assert not torch.equal(got, want)
 
 
 def test_uint8_fp8_cache_is_read_as_e4m3():
