@@ -20,7 +20,7 @@ def pairs(x, dtype=torch.float32):
 
 
 def rotated(x, f, out_dtype=None):
-    return torch.view_as_real(pairs(x) * f).flatten(3).to(out_dtype or x.dtype)
+    return torch.view_as_real(pairs(x) * f).flatten(-2).to(out_dtype or x.dtype)
 
 
 def correct(xq, xk, freqs_cis):
@@ -94,8 +94,9 @@ def per_token_first_position(xq, xk, freqs_cis):
     return rotated(xq, f), rotated(xk, f)
 
 
-class _NotConjugated(torch.autograd.Function):
-    """The backward multiplies the upstream gradient by freqs_cis instead of its conjugate."""
+class NotConjugated(torch.autograd.Function):
+    """The backward multiplies the upstream gradient by the rows f (freqs_cis, or torchtitan's cache rows) instead
+    of their conjugate."""
 
     @staticmethod
     def forward(ctx, x, f):
@@ -110,7 +111,7 @@ class _NotConjugated(torch.autograd.Function):
 
 def backward_not_conjugated(xq, xk, freqs_cis):
     f = broadcast(freqs_cis)
-    return _NotConjugated.apply(xq, f), _NotConjugated.apply(xk, f)
+    return NotConjugated.apply(xq, f), NotConjugated.apply(xk, f)
 
 
 CORRECT = correct

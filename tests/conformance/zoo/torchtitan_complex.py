@@ -5,15 +5,11 @@ from __future__ import annotations
 import torch
 
 from . import rotate_half
-from .meta import pairs
+from .meta import NotConjugated, rotated
 
 
 def token_rows(cache, t, positions):
     return (cache[:t] if positions is None else cache[positions.long()]).unsqueeze(1)  # [T, 1, H/2]
-
-
-def rotated(x, f, out_dtype=None):
-    return torch.view_as_real(pairs(x) * f).flatten(-2).to(out_dtype or x.dtype)
 
 
 def correct(query, key, cache, positions=None):
@@ -81,23 +77,9 @@ def sin_rows_shifted(query, key, cache, positions=None):
     return rotated(query, f), rotated(key, f)
 
 
-class _NotConjugated(torch.autograd.Function):
-    """The backward multiplies the upstream gradient by the rows instead of their conjugate."""
-
-    @staticmethod
-    def forward(ctx, x, f):
-        ctx.save_for_backward(f)
-        return rotated(x, f)
-
-    @staticmethod
-    def backward(ctx, g):
-        (f,) = ctx.saved_tensors
-        return rotated(g, f), None
-
-
 def backward_not_conjugated(query, key, cache, positions=None):
     f = token_rows(cache, query.shape[0], positions)
-    return _NotConjugated.apply(query, f), _NotConjugated.apply(key, f)
+    return NotConjugated.apply(query, f), NotConjugated.apply(key, f)
 
 
 CORRECT = correct
