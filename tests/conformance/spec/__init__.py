@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from hypothesis import strategies as st
 
 from ..tensors import DEVICE
 
@@ -110,6 +111,14 @@ class Convention:
 def small() -> bool:
     """Shapes for Triton's interpreter (one program after another on the CPU), or for a device."""
     return DEVICE.type == "cpu"
+
+
+def head_and_rotary(draw, dims, partial: bool) -> tuple:
+    """(head dim d, rotary width rot) drawn by a plan strategy: d from `dims` (odd ones only where partial rotary
+    is a capability, since an odd head leaves a channel unrotated), rot = d, or, partial, any even width <= d."""
+    d = draw(st.sampled_from(dims if partial else tuple(v for v in dims if v % 2 == 0)))
+    rot = 2 * draw(st.integers(1, d // 2)) if partial and draw(st.booleans()) else d - d % 2
+    return d, rot
 
 
 def load(name: str) -> Convention:

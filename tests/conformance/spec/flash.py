@@ -23,7 +23,7 @@ from ..compare import assert_bitwise, assert_undone, assert_within
 from ..contract import Returned, same_memory
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, small
+from . import Case, Convention, Expect, head_and_rotary, small
 
 
 class Plan(NamedTuple):
@@ -99,9 +99,7 @@ class Flash(Convention):
                 max_seqlen = max(lengths) + draw(st.sampled_from((0, 0, 1)))
             else:
                 lengths, max_seqlen = (draw(st.integers(1, lim["s"])),) * n, None
-            dims = lim["dims"] if caps["partial"] else tuple(v for v in lim["dims"] if v % 2 == 0)
-            d = draw(st.sampled_from(dims))
-            rot = 2 * draw(st.integers(1, d // 2)) if caps["partial"] and draw(st.booleans()) else d - d % 2
+            d, rot = head_and_rotary(draw, lim["dims"], caps["partial"])
             kinds = ("default", "int") + (("tensor",) if caps["tensor_offsets"] else ())
             kind = draw(st.sampled_from(kinds))
             offsets = None if kind == "default" else draw(st.integers(0, lim["off"])) if kind == "int" else \

@@ -17,7 +17,7 @@ from ..compare import assert_bitwise
 from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, qknorm_math, small
+from . import Case, Convention, Expect, head_and_rotary, qknorm_math, small
 
 EPS_VALUES = (1e-6, 1e-5, 0.25, 2.0)  # realistic, and large enough that eps's place in the formula shows
 MAGNITUDES = (1.0, 0.05, 20.0)  # of x: eps dominates mean(x^2) at 0.05, not at 20
@@ -67,9 +67,7 @@ class QKNorm(Convention):
         @st.composite
         def draw(draw):
             dtype = draw(st.sampled_from(caps["dtypes"]))
-            dims = lim["dims"] if caps["partial"] else tuple(v for v in lim["dims"] if v % 2 == 0)
-            d = draw(st.sampled_from(dims))
-            rot = 2 * draw(st.integers(1, d // 2)) if caps["partial"] and draw(st.booleans()) else d - d % 2
+            d, rot = head_and_rotary(draw, lim["dims"], caps["partial"])
             hq = draw(st.integers(1, lim["h"]))
             b, s = draw(st.integers(1, lim["b"])), draw(st.integers(1, lim["s"]))
             strides = caps["strides"]

@@ -21,7 +21,7 @@ from ..compare import assert_bitwise
 from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, qknorm_math, small
+from . import Case, Convention, Expect, head_and_rotary, qknorm_math, small
 from .qknorm import EPS_VALUES, MAGNITUDES, QKNorm, rotation_preserves_norm
 from .te_qknorm import refuses
 
@@ -98,9 +98,7 @@ class QKNormCache(Convention):
         @st.composite
         def draw(draw):
             dtype = draw(st.sampled_from(caps["dtypes"]))
-            dims = lim["dims"] if caps["partial"] else tuple(v for v in lim["dims"] if v % 2 == 0)
-            d = draw(st.sampled_from(dims))
-            rot = 2 * draw(st.integers(1, d // 2)) if caps["partial"] and draw(st.booleans()) else d - d % 2
+            d, rot = head_and_rotary(draw, lim["dims"], caps["partial"])
             pairs = rot // 2
             mrope = caps["mrope"] and draw(st.booleans())
             inter = mrope and caps["mrope_interleaved"] and draw(st.booleans())

@@ -22,7 +22,7 @@ from ..contract import Returned, Snapshot
 from ..positions import token_positions
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, qknorm_math, small
+from . import Case, Convention, Expect, head_and_rotary, qknorm_math, small
 from .qknorm import EPS_VALUES, MAGNITUDES, QKNorm, rotation_preserves_norm
 
 FORMATS = ("sbhd", "bshd", "thd")
@@ -101,9 +101,7 @@ class TEQKNorm(Convention):
         @st.composite
         def draw(draw):
             dtype = draw(st.sampled_from(caps["dtypes"]))
-            dims = lim["dims"] if caps["partial"] else tuple(v for v in lim["dims"] if v % 2 == 0)
-            d = draw(st.sampled_from(dims))
-            rot = 2 * draw(st.integers(1, d // 2)) if caps["partial"] and draw(st.booleans()) else d - d % 2
+            d, rot = head_and_rotary(draw, lim["dims"], caps["partial"])
             fmt = draw(st.sampled_from(caps["formats"]))
             cp = draw(st.sampled_from(lim["cp"])) if caps["context_parallel"] else 1
             s = draw(st.integers(1, lim["s"]))

@@ -19,7 +19,7 @@ from .. import pairing
 from ..compare import assert_bitwise, assert_undone, assert_within
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, small
+from . import Case, Convention, Expect, head_and_rotary, small
 
 
 class Plan(NamedTuple):
@@ -112,9 +112,7 @@ class VLLM(Convention):
             hq = draw(st.integers(1, lim["h"]))
             key_none = caps["key_none"] and draw(st.integers(0, 3)) == 0
             hk = 0 if key_none else draw(st.sampled_from(divisors(hq))) if caps["gqa"] else hq
-            dims = lim["dims"] if caps["partial"] else tuple(v for v in lim["dims"] if v % 2 == 0)
-            d = draw(st.sampled_from(dims))
-            rot = 2 * draw(st.integers(1, d // 2)) if caps["partial"] and draw(st.booleans()) else d - d % 2
+            d, rot = head_and_rotary(draw, lim["dims"], caps["partial"])
             strides = caps["strides"]
             packed = strides and draw(st.booleans())
             q_heads_dim = caps["heads_dim"] and draw(st.booleans())
