@@ -4,8 +4,6 @@ angles `freqs` [s2, 1, 1, rot] or a `rope.RoPECache`; per head y = RoPE(RMSNorm(
 """
 from __future__ import annotations
 
-import torch
-
 from . import reference
 from ._apply import kernel_runs
 from ._launch import angles_for, table_angles, token_index_for
@@ -38,17 +36,10 @@ def apply_freqs(q, k, q_weight, k_weight, freqs, tensor_format="sbhd", start_pos
 
 def _reference(q, k, q_weight, k_weight, freqs, cache, layout, tensor_format, start_positions, interleaved,
                cu_seqlens, cp_size, cp_rank, eps, gemma):
-    """The PyTorch path: `rope.reference`'s positions and angles (as `reference.apply_rotary_pos_emb` reads them),
-    then `reference_norm_rope` per tensor."""
+    """The PyTorch path: `rope.reference`'s positions and tables (float32 angles, as the kernel reads freqs), then
+    `reference_norm_rope` per tensor."""
     pos = reference.token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, q.device)
-    if cache is not None:
-        cos, sin = reference.rows_at(cache.cos, pos), reference.rows_at(cache.sin, pos)
-    else:
-        f = reference.rows_at(freqs[:, 0, 0, :].float(), pos)
-        cos, sin = torch.cos(f), torch.sin(f)
-    if tensor_format == "bshd":  # positions come in (s, b) roles
-        cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    cos, sin = reference.token_tables(freqs, cache, pos, tensor_format)
     return tuple(reference_norm_rope(x, w, eps, gemma, cos, sin, interleaved).contiguous()
                  for x, w in ((q, q_weight), (k, k_weight)))
 

@@ -83,12 +83,16 @@ def full_width(half_table, interleaved):
     return half_table.repeat_interleave(2, dim=-1) if interleaved else torch.cat([half_table, half_table], dim=-1)
 
 
-def rotate_rows(t, cos, sin, pos, tensor_format, interleaved):
-    """`rotate` by rows `pos` (`token_positions`' shape) of full-width tables cos/sin [rows, d2]."""
-    cos, sin = rows_at(cos, pos), rows_at(sin, pos)  # [s, b, d2] or [t, d2]
+def _per_token(cos, sin, tensor_format):
+    """Tables gathered per token ([s, b, d2] in (s, b) roles, or [t, d2]) in t's layout, broadcast over heads."""
     if tensor_format == "bshd":
         cos, sin = cos.transpose(0, 1), sin.transpose(0, 1)
-    return rotate(t, cos.unsqueeze(-2), sin.unsqueeze(-2), interleaved)  # broadcast over heads
+    return cos.unsqueeze(-2), sin.unsqueeze(-2)
+
+
+def rotate_rows(t, cos, sin, pos, tensor_format, interleaved):
+    """`rotate` by rows `pos` (`token_positions`' shape) of full-width tables cos/sin [rows, d2]."""
+    return rotate(t, *_per_token(rows_at(cos, pos), rows_at(sin, pos), tensor_format), interleaved)
 
 
 def section_of_pair(mrope_section, pairs: int, mrope_interleaved: bool = False, device=None) -> torch.Tensor:
@@ -142,10 +146,15 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
                           cp_rank, allow_float64=True)
     check_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     pos = token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, t.device)
+    compute = torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32
+    return rotate(t, *token_tables(freqs, cache, pos, tensor_format, compute), interleaved)
+
+
+def token_tables(freqs, cache, pos, tensor_format, compute=torch.float32):
+    """cos and sin at each token's position `pos` (`token_positions`' shape), broadcast over heads: [s, b, 1, d2]
+    in t's (s, b) roles, or [t, 1, d2] for thd. The rows of `cache` (a `rope.RoPECache`) where given, else sin/cos
+    of freqs' rows ([s2, 1, 1, d2]) evaluated in `compute`."""
     if cache is not None:
-        return rotate_rows(t, cache.cos, cache.sin, pos, tensor_format, interleaved)
-    angles = freqs[:, 0, 0, :].to(torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32)
-    f = rows_at(angles, pos)
-    if tensor_format == "bshd":
-        f = f.transpose(0, 1)
-    return rotate(t, torch.cos(f).unsqueeze(-2), torch.sin(f).unsqueeze(-2), interleaved)  # broadcast over heads
+        return _per_token(rows_at(cache.cos, pos), rows_at(cache.sin, pos), tensor_format)
+    f = rows_at(freqs[:, 0, 0, :].to(compute), pos)
+    return _per_token(torch.cos(f), torch.sin(f), tensor_format)
