@@ -5,8 +5,7 @@
 At the Qwen3-8B attention shape (q 32 / k 8 heads, d 128, bf16) at 4K and 16K tokens, with a copy of q and k
 (`clone`, the same bytes read and written) as the bound:
 - forward: the table kernel's tile (`rope._launch._TABLE_ROWS` rows, `_TABLE_BYTES_PER_THREAD` bytes of each
-  row-half per thread), which the norm kernel takes as the rotation kernels do, and the registers per thread
-  (`_NORM_FWD_MAXNREG`, Triton's maxnreg), which bound the programs an SM holds;
+  row-half per thread), which the norm kernel takes as the rotation kernels do;
 - forward + backward: the backward's rows per work item (`_NORM_ROWS`) and programs per SM
   (`_NORM_PROGRAMS_PER_SM`), whose partial weight gradients are summed after.
 The first setting of each sweep is the launcher's default.
@@ -66,12 +65,6 @@ def main(argv=None):
                 us = bq.graph_us(bq.calls(bq.fused_path, a, "fwd"))
             res[shape]["fwd"][f"{rows} rows, {per_thread} B"] = us
             print(f"  fwd  {rows:3d} rows {per_thread:3d} B/thread  {us:7.2f} µs  {clone / us:.2f} of copy")
-        for cap in (launch._NORM_FWD_MAXNREG, *[c for c in (96, 80, 72, 64) if c != launch._NORM_FWD_MAXNREG]):
-            with settings(_NORM_FWD_MAXNREG=cap):
-                bq.check(bq.fused_path, a)
-                us = bq.graph_us(bq.calls(bq.fused_path, a, "fwd"))
-            res[shape]["fwd"][f"maxnreg {cap}"] = us
-            print(f"  fwd  maxnreg {cap}  {us:7.2f} µs  {clone / us:.2f} of copy")
         default_bwd = (launch._NORM_ROWS, launch._NORM_PROGRAMS_PER_SM)
         for rows, progs in [default_bwd, *[c for c in itertools.product((64, 128), (4, 8, 16))
                                            if c != default_bwd]]:

@@ -67,9 +67,6 @@ _SEARCH_FANOUT = 32
 # loads in flight (benchmarks/qknorm_study.py on an H200, Qwen3-8B fwd+bwd: 4K tokens 166.9 -> 136.6 µs, 16K
 # 591.6 -> 465.6 against 4 per SM; 64 or 128 rows alike, 32 slower).
 _NORM_PROGRAMS_PER_SM = 8
-# QK norm's forward: registers per thread at most this (Triton's maxnreg; None: the compiler's choice, 125-128 on
-# sm_90, which caps an SM at 16 one-warp programs, 25 % occupancy; benchmarks/qknorm_study.py sweeps it).
-_NORM_FWD_MAXNREG = None
 _NORM_ROWS = 64
 
 
@@ -164,7 +161,7 @@ class Plan:
         self.scalars = scalars  # every argument after the pointers, in the kernel's order (`kernel_args`)
         self.num_warps = num_warps
         self.compiled = None
-        self.options = options or {}  # Triton's compile options beyond num_warps (`PDL`, `_NORM_FWD_MAXNREG`)
+        self.options = options or {}  # Triton's compile options beyond num_warps (`PDL`)
 
     def arg(self, name: str):
         """The value of the kernel's scalar argument `name` (tests and tools; not on the hot path)."""
@@ -347,9 +344,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         args.update(n_items=items, n_progs=max(progs, 1), eps=float(eps), NORM=norm,
                     **{f"stride_s{name}{role}": st for name, rs in zip("qk", saved_roles, strict=True)
                        for role, st in zip("sbhd", rs, strict=True)})
-        cap = _NORM_FWD_MAXNREG if x.is_cuda and not backward else None
         return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, args), num_warps, x.device,
-                    dense, dict(maxnreg=cap) if cap else None)
+                    dense)
     return Plan(kernel, (n_groups * chunks, 1, 1), kernel_args(kernel, args), num_warps, x.device, dense,
                 dict(launch_pdl=True) if pdl else None)
 
