@@ -5,24 +5,11 @@ from __future__ import annotations
 import torch
 
 from . import per_channel, rotate_half
-
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+from .te_qknorm import check_norm_args
 
 
 def _check(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, is_neox, gemma, mrope_section, check_eps):
-    for name, x in (("q", q), ("k", k)):
-        if x.dtype not in FLOATS:
-            raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {x.dtype}")
-    for name, flag in (("is_neox", is_neox), ("gemma", gemma)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if not isinstance(w, torch.Tensor) or w.dtype not in FLOATS:
-            raise TypeError(f"{name}: expected a float32, float16 or bfloat16 tensor")
-        if tuple(w.shape) != (q.shape[-1],):
-            raise ValueError(f"{name}: expected shape [{q.shape[-1]}], got {tuple(w.shape)}")
-    if check_eps and not eps > 0:
-        raise ValueError(f"eps: expected > 0, got {eps}")
+    check_norm_args(q, k, q_weight, k_weight, eps, check_eps, {"is_neox": is_neox, "gemma": gemma})
     if positions.dim() == 2 and mrope_section is None:
         raise ValueError("positions: [3, T] needs mrope_section")
     if mrope_section is not None and sum(mrope_section) != cos_sin_cache.shape[1] // 2:

@@ -8,12 +8,15 @@ from . import rotate_half
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check(q, k, q_weight, k_weight, freqs, tensor_format, cu_seqlens, eps, gemma, check_eps=True):
+def check_norm_args(q, k, q_weight, k_weight, eps, check_eps, flags):
+    """The checks both QK-norm zoos make: q and k float, the bool flags ({name: value}), the weights [d], eps > 0
+    (check_eps False: a planted bug that takes any eps)."""
     for name, x in (("q", q), ("k", k)):
         if x.dtype not in FLOATS:
             raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {x.dtype}")
-    if not isinstance(gemma, bool):
-        raise TypeError(f"gemma: expected a bool, got {type(gemma).__name__}")
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if not isinstance(w, torch.Tensor) or w.dtype not in FLOATS:
             raise TypeError(f"{name}: expected a float32, float16 or bfloat16 tensor")
@@ -21,6 +24,10 @@ def _check(q, k, q_weight, k_weight, freqs, tensor_format, cu_seqlens, eps, gemm
             raise ValueError(f"{name}: expected shape [{q.shape[-1]}], got {tuple(w.shape)}")
     if check_eps and not eps > 0:
         raise ValueError(f"eps: expected > 0, got {eps}")
+
+
+def _check(q, k, q_weight, k_weight, freqs, tensor_format, cu_seqlens, eps, gemma, check_eps=True):
+    check_norm_args(q, k, q_weight, k_weight, eps, check_eps, {"gemma": gemma})
     if freqs.shape[-1] > q.shape[-1]:
         raise ValueError(f"freqs: rotary width {freqs.shape[-1]} exceeds the head dim {q.shape[-1]}")
     if (cu_seqlens is not None) != (tensor_format == "thd"):
