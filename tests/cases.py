@@ -1,18 +1,32 @@
 """Building blocks for tests: devices, random inputs and the float64 reference run."""
 from __future__ import annotations
 
+import contextlib
 import itertools
+from unittest import mock
 
 import pytest
 import torch
 
 import rope
+import rope._apply
 import rope._launch
 import rope._validate
 from tests.conformance import te_oracle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
+
+
+@contextlib.contextmanager
+def reference_path(on: bool):
+    """Within it (on), every entry point takes its CPU reference path, as without Triton's interpreter. On a GPU
+    there is one path, the kernel's: both runs take it."""
+    if not on or DEVICE != "cpu":
+        yield
+        return
+    with mock.patch.object(rope._apply, "INTERPRET", False):
+        yield
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 
 

@@ -6,7 +6,6 @@ and tests/test_suite_catches_bugs.py runs the same rules on broken implementatio
 """
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Callable
 from typing import NamedTuple
@@ -18,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from .cases import DEVICE
+from .cases import reference_path as on_path  # the tests' parameter is named reference_path
 from .strategies import LIMITS, build, cu_seqlens_of, rope_specs
 
 OTHER_DEVICE = "cpu" if DEVICE != "cpu" else "meta"  # `meta` holds no data: any read of it fails too
@@ -227,18 +227,6 @@ CHECKS = {f"bad_input: {r.name}": (_rule_check(r), r.specs, []) for r in RULES}
 
 # ---- one verdict on the kernel path and the CPU reference path (docs/contract.md sections 1 and 5) -------
 
-@contextlib.contextmanager
-def _path(reference_path: bool):
-    """Within it (reference_path), CPU tensors take the reference, as without Triton's interpreter."""
-    import rope._apply
-
-    if not reference_path or DEVICE != "cpu":
-        yield
-        return
-    with mock.patch.object(rope._apply, "INTERPRET", False):
-        yield
-
-
 @pytest.mark.ours_only
 @pytest.mark.parametrize("reference_path", [False, True], ids=["kernel", "reference"])
 @pytest.mark.parametrize("flag,value", [("fused", "no"), ("fused", 1), ("inplace", "no"), ("inplace", None),
@@ -251,10 +239,10 @@ def test_flags_are_bools(flag, value, reference_path):
     t = torch.randn(4, 2, 2, 8, device=DEVICE)
     before = t.clone()
     freqs = rope.RotaryPositionEmbedding(8, device=DEVICE)(4)
-    with _path(reference_path), pytest.raises(TypeError, match=rf"^{flag}: expected a bool"):
+    with on_path(reference_path), pytest.raises(TypeError, match=rf"^{flag}: expected a bool"):
         rope.apply_rotary_pos_emb(t, freqs, **{flag: value})
     if flag == "inplace":
-        with _path(reference_path), pytest.raises(TypeError, match=rf"^{flag}: expected a bool"):
+        with on_path(reference_path), pytest.raises(TypeError, match=rf"^{flag}: expected a bool"):
             rope.apply_rotary_pos_emb_qk(t, t.clone(), freqs, **{flag: value})
     assert torch.equal(t, before)
 
@@ -268,7 +256,7 @@ def test_float64_with_fused_is_refused_on_every_path(reference_path):
 
     t = torch.randn(4, 2, 2, 8, device=DEVICE, dtype=torch.float64)
     freqs = rope.RotaryPositionEmbedding(8, device=DEVICE)(4)
-    with _path(reference_path):
+    with on_path(reference_path):
         for call in (lambda: rope.apply_rotary_pos_emb(t, freqs), lambda: rope.apply_rotary_pos_emb_qk(t, t, freqs)):
             with pytest.raises(TypeError, match=r"^[tq]: expected dtype float32, float16 or bfloat16 \(float64"):
                 call()

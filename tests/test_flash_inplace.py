@@ -5,7 +5,6 @@ reference path, against a float64 oracle."""
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch
 import rope
 import rope._apply
 
-from .cases import DEVICE, poison_outputs  # noqa: F401
+from .cases import DEVICE, poison_outputs, reference_path  # noqa: F401
 from .numerics import assert_within_rounding
 from .test_conventions import angles_table, oracle, oracle_grad, per_pair, randn
 
@@ -21,12 +20,9 @@ from .test_conventions import angles_table, oracle, oracle_grad, per_pair, randn
 @contextlib.contextmanager
 def path(reference: bool):
     """The CPU reference path (as without Triton's interpreter), or the kernel's; on a GPU the kernel's only."""
-    if reference and DEVICE == "cpu":
-        with mock.patch.object(rope._apply, "INTERPRET", False):
-            yield
-    elif reference:
+    if reference and DEVICE != "cpu":
         pytest.skip("on a GPU the kernel path is the only one")
-    else:
+    with reference_path(reference):
         yield
 
 

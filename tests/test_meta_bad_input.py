@@ -5,7 +5,6 @@ the same results and gradients on both paths, and the torchtitan forms without a
 """
 from __future__ import annotations
 
-import contextlib
 from unittest import mock
 
 import pytest
@@ -16,21 +15,11 @@ import rope._launch
 import rope.meta
 import rope.torchtitan
 
-from .cases import DEVICE
+from .cases import DEVICE, reference_path
 
 pytestmark = pytest.mark.ours_only
 
 B, S, HQ, HK, D, T, ROWS = 2, 3, 3, 1, 6, 4, 6
-
-
-@contextlib.contextmanager
-def path(reference: bool):
-    """The reference path where asked (on a CPU: as without Triton's interpreter); on a GPU the kernel's only."""
-    if reference and DEVICE == "cpu":
-        with mock.patch.object(rope._apply, "INTERPRET", False):
-            yield
-    else:
-        yield
 
 
 def _gen(seed=0):
@@ -141,7 +130,7 @@ def verdict(conv, args):
 def test_bad_input_one_verdict(conv, what, change, exc, name):
     verdicts = []
     for reference in (False, True):
-        with path(reference):
+        with reference_path(reference):
             verdicts.append(verdict(conv, build(conv, change, 0)))
     assert verdicts[0] == (exc, name), f"kernel path: {verdicts[0]}, expected {exc.__name__} naming {name}"
     assert verdicts[1] == verdicts[0], f"reference path: {verdicts[1]}, kernel path: {verdicts[0]}"
@@ -149,7 +138,7 @@ def test_bad_input_one_verdict(conv, what, change, exc, name):
 
 def _results(conv, args, reference):
     leaves = {n: args[n].clone().requires_grad_() for n in (("xq", "xk") if conv == "meta" else ("query", "key"))}
-    with path(reference):
+    with reference_path(reference):
         outs = ENTRY[conv](**{**args, **leaves})
     ups = [torch.randn(o.shape, generator=_gen(7)).to(o) for o in outs]
     torch.autograd.backward(outs, ups)
@@ -204,6 +193,6 @@ def test_one_switch_decides(conv, reference):
     """rope._apply.on_kernel_device decides for these entry points too: the reference path launches nothing, the
     kernel path launches."""
     args = meta_args(_gen(9)) if conv == "meta" else titan_args(_gen(9), conv == "cossin")
-    with path(reference), mock.patch.object(rope._launch, "run", wraps=rope._launch.run) as launches:
+    with reference_path(reference), mock.patch.object(rope._launch, "run", wraps=rope._launch.run) as launches:
         ENTRY[conv](**args)
     assert bool(launches.call_count) is not reference, f"{conv}: {launches.call_count} launches"

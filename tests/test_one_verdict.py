@@ -11,7 +11,6 @@ anything is written: every input, and the tensor that views share, keeps its val
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import NamedTuple
 from unittest import mock
@@ -26,23 +25,12 @@ import rope._apply
 import rope._launch
 import rope.functional
 
-from .cases import DEVICE
+from .cases import DEVICE, reference_path
 
 pytestmark = pytest.mark.ours_only
 
 S, B, H, D, T, ROWS = 4, 2, 2, 8, 5, 8  # sequence, batch, heads, head dim, tokens, table rows
 MAX_EXAMPLES = 12  # per entry point: the CPU interpreter runs two paths per example
-
-
-@contextlib.contextmanager
-def reference_path(on: bool):
-    """Within it (on), every entry point takes its CPU reference path, as without Triton's interpreter. On a
-    GPU there is one path, the kernel's: both runs take it."""
-    if not on or DEVICE != "cpu":
-        yield
-        return
-    with mock.patch.object(rope._apply, "INTERPRET", False):
-        yield
 
 
 class Entry(NamedTuple):

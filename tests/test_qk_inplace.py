@@ -1,10 +1,8 @@
 """q and k in one launch, and the in-place mode (docs/contract.md section 7)."""
 from __future__ import annotations
 
-import contextlib
 import itertools
 import random
-from unittest import mock
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import rope._launch
 import rope.functional
 from rope import reference
 
-from .cases import DEVICE, angle_source, make_freqs, make_t, needs_angle_source, poison_outputs  # noqa: F401
+from .cases import DEVICE, angle_source, make_freqs, make_t, needs_angle_source, poison_outputs, reference_path  # noqa: F401
 from .numerics import assert_within_rounding
 
 pytestmark = pytest.mark.ours_only
@@ -248,16 +246,6 @@ def test_inplace_qk_backward_leaves_the_upstream_gradients():
 
 
 # ---- in place on views of a tensor that requires grad ------------------------------------------
-
-@contextlib.contextmanager
-def reference_path(on: bool):
-    """Within it (on), every entry point takes its CPU reference path, as without Triton's interpreter."""
-    if not on or DEVICE != "cpu":
-        yield
-        return
-    with mock.patch.object(rope._apply, "INTERPRET", False):
-        yield
-
 
 H, HD, T = 2, 8, 5  # heads, head dim, tokens
 

@@ -4,9 +4,6 @@ definition (norm, then TransformerEngine's rotation: tests/conformance/te_oracle
 inputs left as they were and outputs new, a RoPECache read like its freqs, and empty input."""
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import pytest
 import torch
 
@@ -16,21 +13,11 @@ from rope import qknorm
 from tests.conformance import accuracy, te_oracle
 from tests.conformance.spec import qknorm_math
 
-from .cases import DEVICE, cu_seqlens_of
+from .cases import DEVICE, cu_seqlens_of, reference_path
 
 pytestmark = pytest.mark.ours_only
 
 D, ROT, EPS = 10, 6, 1e-6
-
-
-@contextlib.contextmanager
-def path(reference: bool):
-    """The CPU reference path (as without Triton's interpreter), or the kernel's; on a GPU, the kernel's only."""
-    if reference and DEVICE == "cpu":
-        with mock.patch.object(rope._apply, "INTERPRET", False):
-            yield
-    else:
-        yield
 
 
 def _args(fmt="sbhd", dtype=torch.float32, seed=0, lengths=(2, 0, 3), start=False, cp=1, rank=0, **over):
@@ -89,7 +76,7 @@ def test_bad_input_one_verdict_before_writing(name, exc, over, reference):
     a = _args()
     a.update(over(a))
     before = {n: v.clone() for n, v in a.items() if isinstance(v, torch.Tensor) and v.device.type != "meta"}
-    with path(reference), pytest.raises(exc) as err:
+    with reference_path(reference), pytest.raises(exc) as err:
         qknorm.apply_freqs(**a)
     assert str(err.value).startswith(name), str(err.value)
     for n, v in before.items():
@@ -99,7 +86,7 @@ def test_bad_input_one_verdict_before_writing(name, exc, over, reference):
 def test_thd_bad_cu_seqlens_one_verdict():
     a = _args("thd", cu_seqlens=cu_seqlens_of([2, 0, 2]))  # ends short of the 5 tokens
     for reference in (False, True):
-        with path(reference), pytest.raises(ValueError, match="^cu_seqlens"):
+        with reference_path(reference), pytest.raises(ValueError, match="^cu_seqlens"):
             qknorm.apply_freqs(**a)
 
 
@@ -124,7 +111,7 @@ def test_against_float64_in_value_and_gradients(case, reference):
     dtype = a["q"].dtype
     leaves = {n: a[n].clone().requires_grad_() for n in ("q", "k", "q_weight", "k_weight")}
     before = {n: v.detach().clone() for n, v in leaves.items()}
-    with path(reference):
+    with reference_path(reference):
         out = qknorm.apply_freqs(**{**a, **leaves})
     gen = torch.Generator().manual_seed(7)
     ups = [torch.randn(o.shape, generator=gen).to(dtype).to(DEVICE) for o in out]
@@ -154,7 +141,7 @@ def test_rope_cache_reads_like_its_freqs():
     cache = rope.RoPECache.from_freqs(a["freqs"])
     a64 = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
     for reference in (False, True):
-        with path(reference):
+        with reference_path(reference):
             got = qknorm.apply_freqs(**{**a, "freqs": cache})
         for name, g in zip(("q", "k"), got, strict=True):
             x, w = a64[name], a64[f"{name}_weight"]
