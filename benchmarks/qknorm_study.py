@@ -6,6 +6,8 @@ At the Qwen3-8B attention shape (q 32 / k 8 heads, d 128, bf16) at 4K and 16K to
 (`clone`, the same bytes read and written) as the bound:
 - forward: the table kernel's tile (`rope._launch._TABLE_ROWS` rows, `_TABLE_BYTES_PER_THREAD` bytes of each
   row-half per thread), which the norm kernel takes as the rotation kernels do;
+- forward: the register cap (`_NORM_FWD_MAXNREG`, 16-bit half-split tiles), also with Gemma's (1 + w) and with
+  partial rotary (64 of 128 channels), at 4K tokens;
 - forward + backward: the backward's rows per work item (`_NORM_ROWS`) and programs per SM
   (`_NORM_PROGRAMS_PER_SM`), whose partial weight gradients are summed after.
 The first setting of each sweep is the launcher's default.
@@ -65,6 +67,11 @@ def main(argv=None):
                 us = bq.graph_us(bq.calls(bq.fused_path, a, "fwd"))
             res[shape]["fwd"][f"{rows} rows, {per_thread} B"] = us
             print(f"  fwd  {rows:3d} rows {per_thread:3d} B/thread  {us:7.2f} µs  {clone / us:.2f} of copy")
+        for cap in (launch._NORM_FWD_MAXNREG, None):
+            with settings(_NORM_FWD_MAXNREG=cap):
+                us = bq.graph_us(bq.calls(bq.fused_path, a, "fwd"))
+            res[shape]["fwd"][f"register cap {cap}"] = us
+            print(f"  fwd  register cap {cap}  {us:7.2f} µs  {clone / us:.2f} of copy")
         default_bwd = (launch._NORM_ROWS, launch._NORM_PROGRAMS_PER_SM)
         for rows, progs in [default_bwd, *[c for c in itertools.product((64, 128), (4, 8, 16))
                                            if c != default_bwd]]:
@@ -76,6 +83,19 @@ def main(argv=None):
             us = bq.graph_us(bq.calls(bq.implementation(name), a, "fwd+bwd"))
             res[shape]["fwd+bwd"][f"unfused {name}"] = us
             print(f"  fwd+bwd unfused {name}  {us:7.2f} µs")
+    a = bq.inputs("qwen3-8b", "prefill4k")
+    cos, sin = a[4], a[5]
+    forms = {"Gemma's 1 + w": (a, dict(gemma=True)),
+             "partial rotary 64/128": ((*a[:4], cos[..., :64].contiguous(), sin[..., :64].contiguous()), {})}
+    print("\nprefill4k, other forms")
+    for name, (args_, kw) in forms.items():
+        def fn(*x, kw=kw):
+            return rope.qknorm.apply(*x, eps=bq.EPS, unsqueeze_dim=2, **kw)
+        for cap in (launch._NORM_FWD_MAXNREG, None):
+            with settings(_NORM_FWD_MAXNREG=cap):
+                us = bq.graph_us(bq.calls(fn, args_, "fwd"))
+            res.setdefault("prefill4k forms", {})[f"{name}, register cap {cap}"] = us
+            print(f"  fwd  {name:24s} register cap {cap}  {us:7.2f} µs")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -363,6 +363,50 @@ def _store_head(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, out_a, out_b, out_t, out_ty:
 
 
 @triton.jit
+def _norm_rotate_store(oq, ok, in_q, r_ok, sd_q, sd_k, xa, xb, xt, cos_a, cos_b, sin_a, sin_b, wq_ptr, wk_ptr, eps,
+                       out_ty: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+                       RNE_BF16: tl.constexpr, INPLACE: tl.constexpr, NORM: tl.constexpr):
+    """Forward of a loaded tile of whole heads: RMS-normalise each row, weight it, rotate it, store it."""
+    r = _inv_rms(xa, xb, xt, eps, HEAD_DIM)
+    wa, wb, wt = _tile_weights(wq_ptr, wk_ptr, in_q, r_ok, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_HALF, BLOCK_TAIL,
+                               NORM)
+    ya, yb = xa * r * wa, xb * r * wb
+    _store_head(oq, ok, in_q, r_ok, sd_q, sd_k, ya * cos_a - yb * sin_a, yb * cos_b + ya * sin_b, xt * r * wt, out_ty,
+                HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
+
+
+@triton.jit
+def _weight_ptrs(wq_ptr, wk_ptr, in_q, cols):
+    """Pointers of a [rows, cols] tile of weights, q's for rows in q, else k's (as `_tile_ptrs`: chosen as 2-D
+    pointers, so that the loads stay 16 bytes wide)."""
+    return tl.where(in_q[:, None], wq_ptr + cols[None, :], wk_ptr + cols[None, :])
+
+
+@triton.jit
+def _tile_weights(wq_ptr, wk_ptr, in_q, r_ok, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, NORM: tl.constexpr):
+    """The weights of a tile's rows (q's or k's) for channels a, b and the tail, as float32 tiles in the rows'
+    layout (Gemma's form: 1 + w). Read per row from L1, they take a tile's registers, not both tensors' rows."""
+    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
+    t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+    if INTERLEAVED:  # as _load_chunk: one contiguous slice split in registers, so that the loads stay wide
+        cols = tl.arange(0, 2 * BLOCK_HALF)
+        w = tl.load(_weight_ptrs(wq_ptr, wk_ptr, in_q, cols), mask=r_ok[:, None] & (cols < ROT_DIM)[None, :],
+                    other=0.0).to(tl.float32)
+        wa, wb = tl.split(tl.reshape(w, (w.shape[0], BLOCK_HALF, 2)))
+    else:
+        m = r_ok[:, None] & k_ok[None, :]
+        wa = tl.load(_weight_ptrs(wq_ptr, wk_ptr, in_q, col_a), mask=m, other=0.0).to(tl.float32)
+        wb = tl.load(_weight_ptrs(wq_ptr, wk_ptr, in_q, col_b), mask=m, other=0.0).to(tl.float32)
+    wt = tl.load(_weight_ptrs(wq_ptr, wk_ptr, in_q, t_cols), mask=r_ok[:, None] & (t_cols < HEAD_DIM)[None, :],
+                 other=0.0).to(tl.float32)
+    if NORM == 2:
+        wa, wb, wt = wa + 1.0, wb + 1.0, wt + 1.0
+    return wa, wb, wt
+
+
+@triton.jit
 def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr,
             part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
             seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
@@ -381,46 +425,66 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
     k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
     t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
     t_ok = t_cols < HEAD_DIM
-    wqa, wqb, wqt = _norm_weights(wq_ptr, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_HALF, BLOCK_TAIL, NORM)
-    wka, wkb, wkt = _norm_weights(wk_ptr, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_HALF, BLOCK_TAIL, NORM)
     out_ty = qo_ptr.dtype.element_ty
-    acc_qa = tl.zeros([BLOCK_HALF], tl.float32)
-    acc_qb = tl.zeros([BLOCK_HALF], tl.float32)
-    acc_ka = tl.zeros([BLOCK_HALF], tl.float32)
-    acc_kb = tl.zeros([BLOCK_HALF], tl.float32)
-    acc_qt = tl.zeros([BLOCK_TAIL], tl.float32)
-    acc_kt = tl.zeros([BLOCK_TAIL], tl.float32)
     pid = tl.program_id(0)
-    for item in range(pid, n_items, n_progs):
-        s_idx, b_idx, chunk = _item(item, n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
+    if not BACKWARD:
+        # One work item per program (the launcher's grid). As in _rope, the first tile's loads are issued
+        # before the position, the angles and the weights are found.
+        s_idx, b_idx, chunk = _item(pid, n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
         r_begin = chunk * rows_per_program
         r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
         q_base, qo_base = s_idx * stride_qs + b_idx * stride_qb, s_idx * stride_qos + b_idx * stride_qob
         k_base, ko_base = s_idx * stride_ks + b_idx * stride_kb, s_idx * stride_kos + b_idx * stride_kob
-        sq_base, sk_base = s_idx * stride_sqs + b_idx * stride_sqb, s_idx * stride_sks + b_idx * stride_skb
+        xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin,
+                                           r_end, q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob,
+                                           stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
+                                           GROUP_PER_BATCH, BLOCK_R, True)
+        xa, xb, xt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
+                                BLOCK_HALF, BLOCK_TAIL)
         stream = _stream_of_pair(BLOCK_HALF, MROPE, SEC0, SEC1, SEC2) if MROPE else 0
         pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps, stride_pb,
                         stride_pm, stream, IS_THD, HAS_START, USE_CP, FANOUT, POS_TABLE, MROPE)
         cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs,
-                                             stride_fb, stride_fd, stride_fm, ROT_DIM, INTERLEAVED, BACKWARD,
+                                             stride_fb, stride_fd, stride_fm, ROT_DIM, INTERLEAVED, False,
                                              BLOCK_HALF, PIN, TABLE, HALF_TABLE, MROPE)
-        for r0 in range(r_begin, r_end, BLOCK_R):
+        _norm_rotate_store(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, xt, cos_a, cos_b, sin_a, sin_b,
+                           wq_ptr, wk_ptr, eps, out_ty, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF,
+                           BLOCK_TAIL, RNE_BF16, INPLACE, NORM)
+        for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
             xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0,
                                                r_end, q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob,
                                                stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
                                                GROUP_PER_BATCH, BLOCK_R, True)
-            wa = tl.where(in_q[:, None], wqa, wka)
-            wb = tl.where(in_q[:, None], wqb, wkb)
-            wt = tl.where(in_q[:, None], wqt, wkt)
-            if not BACKWARD:
-                xa, xb, xt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
-                                        BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
-                r = _inv_rms(xa, xb, xt, eps, HEAD_DIM)
-                ya, yb = xa * r * wa, xb * r * wb
-                _store_head(oq, ok, in_q, r_ok, stride_qod, stride_kod, ya * cos_a - yb * sin_a,
-                            yb * cos_b + ya * sin_b, xt * r * wt, out_ty, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
-                            BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
-            else:
+            xa, xb, xt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                                    BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
+            _norm_rotate_store(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, xt, cos_a, cos_b, sin_a, sin_b,
+                               wq_ptr, wk_ptr, eps, out_ty, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF,
+                               BLOCK_TAIL, RNE_BF16, INPLACE, NORM)
+    else:
+        acc_qa = tl.zeros([BLOCK_HALF], tl.float32)
+        acc_qb = tl.zeros([BLOCK_HALF], tl.float32)
+        acc_ka = tl.zeros([BLOCK_HALF], tl.float32)
+        acc_kb = tl.zeros([BLOCK_HALF], tl.float32)
+        acc_qt = tl.zeros([BLOCK_TAIL], tl.float32)
+        acc_kt = tl.zeros([BLOCK_TAIL], tl.float32)
+        for item in range(pid, n_items, n_progs):
+            s_idx, b_idx, chunk = _item(item, n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
+            r_begin = chunk * rows_per_program
+            r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
+            q_base, qo_base = s_idx * stride_qs + b_idx * stride_qb, s_idx * stride_qos + b_idx * stride_qob
+            k_base, ko_base = s_idx * stride_ks + b_idx * stride_kb, s_idx * stride_kos + b_idx * stride_kob
+            sq_base, sk_base = s_idx * stride_sqs + b_idx * stride_sqb, s_idx * stride_sks + b_idx * stride_skb
+            stream = _stream_of_pair(BLOCK_HALF, MROPE, SEC0, SEC1, SEC2) if MROPE else 0
+            pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps, stride_pb,
+                            stride_pm, stream, IS_THD, HAS_START, USE_CP, FANOUT, POS_TABLE, MROPE)
+            cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs,
+                                                 stride_fb, stride_fd, stride_fm, ROT_DIM, INTERLEAVED, BACKWARD,
+                                                 BLOCK_HALF, PIN, TABLE, HALF_TABLE, MROPE)
+            for r0 in range(r_begin, r_end, BLOCK_R):
+                xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0,
+                                                   r_end, q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob,
+                                                   stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
+                                                   GROUP_PER_BATCH, BLOCK_R, True)
                 ga, gb, gt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
                                         BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
                 sq, sk, _, _, _, _ = _rows(sq_ptr, sq_ptr, sk_ptr, sk_ptr, sq_base, sq_base, sk_base, sk_base, r0,
@@ -430,6 +494,8 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
                 xa, xb, xt = _load_head(sq, sk, in_q, r_ok, stride_sqd, stride_skd, HEAD_DIM, ROT_DIM, INTERLEAVED,
                                         BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
                 r = _inv_rms(xa, xb, xt, eps, HEAD_DIM)
+                wa, wb, wt = _tile_weights(wq_ptr, wk_ptr, in_q, r_ok, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_HALF,
+                                           BLOCK_TAIL, NORM)
                 na, nb, nt = xa * r, xb * r, xt * r
                 ua = ga * cos_a - gb * sin_a  # R^T g (the adjoint's sines)
                 ub = gb * cos_b + ga * sin_b
@@ -447,7 +513,6 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
                 acc_ka += tl.sum(tl.where(rk, ua * na, 0.0), axis=0)
                 acc_kb += tl.sum(tl.where(rk, ub * nb, 0.0), axis=0)
                 acc_kt += tl.sum(tl.where(rk, gt * nt, 0.0), axis=0)
-    if BACKWARD:
         row = part_ptr + pid.to(tl.int64) * (2 * HEAD_DIM)
         tl.store(row + col_a, acc_qa, mask=k_ok)
         tl.store(row + col_b, acc_qb, mask=k_ok)
@@ -499,25 +564,104 @@ def _to_cache(x, scale, inv, cache_ty: tl.constexpr, FP8: tl.constexpr, FP8_BITS
 
 
 @triton.jit
+def _cache_load(q_ptr, k_ptr, v_ptr, q_base, k_base, v_base, r0, r_end, q_rows, q_heads, k_heads, stride_qh,
+                stride_qd, stride_kh, stride_kd, stride_vh, stride_vd, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+                INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [r0, r0 + BLOCK_R) of a token: their q/k pointers, which are q's and exist, each row's k head (q rows:
+    negative), the loaded channels a, b and tail, and v's row of each k row. v is loaded whether or not the token
+    has a slot, so that no load waits for the slot."""
+    xq, xk, _, _, in_q, r_ok = _rows(q_ptr, q_ptr, k_ptr, k_ptr, q_base, q_base, k_base, k_base, r0, r_end,
+                                     q_rows, q_heads, k_heads, 0, stride_qh, 0, stride_qh, 0, stride_kh, 0,
+                                     stride_kh, True, BLOCK_R, True)
+    xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                               BLOCK_R, BLOCK_HALF, BLOCK_TAIL, False)
+    heads = (r0 + tl.arange(0, BLOCK_R) - q_rows).to(tl.int64)
+    d_cols = tl.arange(0, BLOCK_D)
+    v_rows = v_ptr + v_base + heads * stride_vh
+    v = tl.load(_tile_ptrs(v_rows, v_rows, in_q, d_cols, stride_vd, stride_vd),
+                mask=(r_ok & (heads >= 0))[:, None] & (d_cols < HEAD_DIM)[None, :])
+    return xq, xk, in_q, r_ok, heads, xa, xb, tail, v
+
+
+@triton.jit
+def _cache_store_v(in_q, r_ok, heads, v, vc_ptr, vc_base, stored, v_scale, v_inv, stride_vch, stride_vcd,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
+    """Store a loaded tile's v rows at the token's slot if `stored`. Called before the angles are found: v's
+    registers are free before k's rotation and conversion need theirs."""
+    to_cache = r_ok & (tl.where(stored, heads, -1) >= 0)
+    d_cols = tl.arange(0, BLOCK_D)
+    vc_rows = vc_ptr + vc_base + heads * stride_vch
+    tl.store(_tile_ptrs(vc_rows, vc_rows, in_q, d_cols, stride_vcd, stride_vcd),
+             _to_cache(v, v_scale, v_inv, vc_ptr.dtype.element_ty, FP8, FP8_BITS),
+             mask=to_cache[:, None] & (d_cols < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _cache_store(xq, xk, in_q, r_ok, heads, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, kc_ptr, kc_base, stored,
+                 k_scale, k_inv, stride_qd, stride_kd, stride_kch, stride_kcd, out_ty: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr, FP8: tl.constexpr,
+                 FP8_BITS: tl.constexpr):
+    """Rotate a loaded tile in place; store its k rows (rotated) at the token's slot if `stored`."""
+    kc_ty = kc_ptr.dtype.element_ty
+    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
+    to_cache = r_ok & (tl.where(stored, heads, -1) >= 0)
+    ya = _to_output(xa * cos_a - xb * sin_a, out_ty, RNE_BF16)
+    yb = _to_output(xb * cos_b + xa * sin_b, out_ty, RNE_BF16)
+    tl.debug_barrier()  # in place, as in _store_chunk: no store before every thread's load of the tile
+    kc_rows = kc_ptr + kc_base + heads * stride_kch
+    if INTERLEAVED:
+        cols = tl.arange(0, 2 * BLOCK_HALF)
+        y = tl.reshape(tl.join(ya, yb), (BLOCK_R, 2 * BLOCK_HALF))
+        tl.store(_tile_ptrs(xq, xk, in_q, cols, stride_qd, stride_kd), y,
+                 mask=r_ok[:, None] & (cols < ROT_DIM)[None, :])
+        tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, cols, stride_kcd, stride_kcd),
+                 _to_cache(y, k_scale, k_inv, kc_ty, FP8, FP8_BITS),
+                 mask=to_cache[:, None] & (cols < ROT_DIM)[None, :])
+    else:
+        m = r_ok[:, None] & k_ok[None, :]
+        tl.store(_tile_ptrs(xq, xk, in_q, col_a, stride_qd, stride_kd), ya, mask=m)
+        tl.store(_tile_ptrs(xq, xk, in_q, col_b, stride_qd, stride_kd), yb, mask=m)
+        mc = to_cache[:, None] & k_ok[None, :]
+        tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, col_a, stride_kcd, stride_kcd),
+                 _to_cache(ya, k_scale, k_inv, kc_ty, FP8, FP8_BITS), mask=mc)
+        tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, col_b, stride_kcd, stride_kcd),
+                 _to_cache(yb, k_scale, k_inv, kc_ty, FP8, FP8_BITS), mask=mc)
+    if BLOCK_TAIL > 0:
+        t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+        tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, t_cols, stride_kcd, stride_kcd),
+                 _to_cache(tail, k_scale, k_inv, kc_ty, FP8, FP8_BITS),
+                 mask=to_cache[:, None] & (t_cols < HEAD_DIM)[None, :])
+
+
+@triton.jit
 def _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-                 q_heads, k_heads, q_rows, k_rows, rows_per_program, n_groups, inner, freqs_len, n_slot_entries,
-                 n_cache_slots, block_size,
+                 q_heads, k_heads, q_rows, k_rows, n_groups, inner, freqs_len, n_slot_entries, n_cache_slots,
+                 block_size,
                  stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
                  stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
                  stride_fs, stride_fd, stride_ps, stride_slot,
                  HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, RNE_BF16: tl.constexpr,
                  SPLIT: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
-    """One program: a chunk of one token's q and k rows rotated in place, its k rows (rotated) and v rows stored."""
+    """One program: one tile (BLOCK_R rows) of a token's q and k rows rotated in place, its k rows (rotated) and
+    v rows stored. As in _rope, the tile and its v rows are loaded before the slot, the position and the angles
+    are found: at decode the program's time is these loads' latency, which would otherwise come one after
+    another. One tile per program keeps no angles live across tiles, hence fewer registers."""
     s_idx, b_idx, chunk = _program(n_groups, inner, 1, False, SPLIT)
-    r_begin = chunk * rows_per_program
-    r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
+    r_begin = chunk * BLOCK_R
+    r_end = tl.minimum(r_begin + BLOCK_R, q_rows + k_rows)
     q_base = s_idx * stride_qs
     k_base = s_idx * stride_ks
+    v_base = s_idx * stride_vs
     out_ty = q_ptr.dtype.element_ty
-    kc_ty = kc_ptr.dtype.element_ty
-    vc_ty = vc_ptr.dtype.element_ty
+    xq, xk, in_q, r_ok, heads, xa, xb, tail, v = _cache_load(
+        q_ptr, k_ptr, v_ptr, q_base, k_base, v_base, r_begin, r_end, q_rows, q_heads, k_heads, stride_qh, stride_qd,
+        stride_kh, stride_kd, stride_vh, stride_vd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL,
+        BLOCK_D)
     slot = tl.load(slot_ptr + s_idx * stride_slot, mask=s_idx < n_slot_entries, other=-1).to(tl.int64)
+    pos = _position(s_idx, b_idx, pos_ptr, pos_ptr, 0, 0, 1, 0, stride_ps, 0, 0, 0, True, False, False, 1, True, 0)
     stored = (slot >= 0) & (slot < n_cache_slots)
     slot = tl.where(stored, slot, 0)
     block = slot // block_size
@@ -533,51 +677,13 @@ def _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr
         v_scale = tl.load(vs_ptr).to(tl.float32)
         k_inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), k_scale)  # one division per program, rounded once
         v_inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), v_scale)
-    pos = _position(s_idx, b_idx, pos_ptr, pos_ptr, 0, 0, 1, 0, stride_ps, 0, 0, 0, True, False, False, 1, True, 0)
+    _cache_store_v(in_q, r_ok, heads, v, vc_ptr, vc_base, stored, v_scale, v_inv, stride_vch, stride_vcd, HEAD_DIM,
+                   BLOCK_D, FP8, FP8_BITS)
     cos_a, cos_b, sin_a, sin_b = _angles(cos_ptr, sin_ptr, pos, b_idx, 0, freqs_len, stride_fs, 0, stride_fd, 0,
                                          ROT_DIM, INTERLEAVED, False, BLOCK_HALF, False, True, True, 0)
-    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
-    d_cols = tl.arange(0, BLOCK_D)
-    for r0 in range(r_begin, r_end, BLOCK_R):
-        xq, xk, _, _, in_q, r_ok = _rows(q_ptr, q_ptr, k_ptr, k_ptr, q_base, q_base, k_base, k_base, r0, r_end,
-                                         q_rows, q_heads, k_heads, 0, stride_qh, 0, stride_qh, 0, stride_kh, 0,
-                                         stride_kh, True, BLOCK_R, True)
-        xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
-                                   BLOCK_R, BLOCK_HALF, BLOCK_TAIL, False)
-        ya = _to_output(xa * cos_a - xb * sin_a, out_ty, RNE_BF16)
-        yb = _to_output(xb * cos_b + xa * sin_b, out_ty, RNE_BF16)
-        tl.debug_barrier()  # in place, as in _store_chunk: no store before every thread's load of the tile
-        heads = (r0 + tl.arange(0, BLOCK_R) - q_rows).to(tl.int64)  # k's head of each row (q rows: negative)
-        kc_rows = kc_ptr + kc_base + heads * stride_kch
-        to_cache = r_ok & (tl.where(stored, heads, -1) >= 0)
-        if INTERLEAVED:
-            cols = tl.arange(0, 2 * BLOCK_HALF)
-            y = tl.reshape(tl.join(ya, yb), (BLOCK_R, 2 * BLOCK_HALF))
-            tl.store(_tile_ptrs(xq, xk, in_q, cols, stride_qd, stride_kd), y,
-                     mask=r_ok[:, None] & (cols < ROT_DIM)[None, :])
-            tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, cols, stride_kcd, stride_kcd),
-                     _to_cache(y, k_scale, k_inv, kc_ty, FP8, FP8_BITS),
-                     mask=to_cache[:, None] & (cols < ROT_DIM)[None, :])
-        else:
-            m = r_ok[:, None] & k_ok[None, :]
-            tl.store(_tile_ptrs(xq, xk, in_q, col_a, stride_qd, stride_kd), ya, mask=m)
-            tl.store(_tile_ptrs(xq, xk, in_q, col_b, stride_qd, stride_kd), yb, mask=m)
-            mc = to_cache[:, None] & k_ok[None, :]
-            tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, col_a, stride_kcd, stride_kcd),
-                     _to_cache(ya, k_scale, k_inv, kc_ty, FP8, FP8_BITS), mask=mc)
-            tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, col_b, stride_kcd, stride_kcd),
-                     _to_cache(yb, k_scale, k_inv, kc_ty, FP8, FP8_BITS), mask=mc)
-        if BLOCK_TAIL > 0:
-            t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
-            tl.store(_tile_ptrs(kc_rows, kc_rows, in_q, t_cols, stride_kcd, stride_kcd),
-                     _to_cache(tail, k_scale, k_inv, kc_ty, FP8, FP8_BITS),
-                     mask=to_cache[:, None] & (t_cols < HEAD_DIM)[None, :])
-        v_rows = v_ptr + s_idx * stride_vs + heads * stride_vh
-        vc_rows = vc_ptr + vc_base + heads * stride_vch
-        vm = to_cache[:, None] & (d_cols < HEAD_DIM)[None, :]
-        v = tl.load(_tile_ptrs(v_rows, v_rows, in_q, d_cols, stride_vd, stride_vd), mask=vm)
-        tl.store(_tile_ptrs(vc_rows, vc_rows, in_q, d_cols, stride_vcd, stride_vcd),
-                 _to_cache(v, v_scale, v_inv, vc_ty, FP8, FP8_BITS), mask=vm)
+    _cache_store(xq, xk, in_q, r_ok, heads, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, kc_ptr, kc_base, stored,
+                 k_scale, k_inv, stride_qd, stride_kd, stride_kch, stride_kcd, out_ty, HEAD_DIM, ROT_DIM, INTERLEAVED,
+                 BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, FP8, FP8_BITS)
 
 
 # Integer arguments that are counts, not strides: Triton would specialize each on == 1 and on
@@ -588,7 +694,7 @@ _COUNTS = ["n_heads", "n_batch", "rows_per_group", "rows_per_program", "n_groups
 _QK_COUNTS = ["q_heads", "k_heads", "n_batch", "q_rows", "k_rows", "rows_per_program", "n_groups", "inner", "seq_len",
               "n_seqs", "freqs_len", "cp_rank", "stride_fb"]
 _NORM_COUNTS = _QK_COUNTS + ["n_items", "n_progs"]
-_CACHE_COUNTS = ["q_heads", "k_heads", "q_rows", "k_rows", "rows_per_program", "n_groups", "inner",
+_CACHE_COUNTS = ["q_heads", "k_heads", "q_rows", "k_rows", "n_groups", "inner",
                  "freqs_len", "n_slot_entries", "n_cache_slots", "block_size"]
 
 
@@ -735,8 +841,7 @@ def rope_qknorm_kernel(
 @triton.jit(do_not_specialize=_CACHE_COUNTS)
 def rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-    q_heads, k_heads, q_rows, k_rows, rows_per_program, n_groups, inner, freqs_len, n_slot_entries, n_cache_slots,
-    block_size,
+    q_heads, k_heads, q_rows, k_rows, n_groups, inner, freqs_len, n_slot_entries, n_cache_slots, block_size,
     stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
     stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
     stride_fs, stride_fd, stride_ps, stride_slot,
@@ -747,8 +852,8 @@ def rope_cache_kernel(
     """q and k of each token rotated in place at positions[t] of the half cos/sin tables, the rotated k and the
     v stored at the token's slot of the caches (the KV-CACHE WRITE section above)."""
     _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-                 q_heads, k_heads, q_rows, k_rows, rows_per_program, n_groups, inner, freqs_len, n_slot_entries,
-                 n_cache_slots, block_size,
+                 q_heads, k_heads, q_rows, k_rows, n_groups, inner, freqs_len, n_slot_entries, n_cache_slots,
+                 block_size,
                  stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
                  stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
                  stride_fs, stride_fd, stride_ps, stride_slot,

@@ -68,6 +68,12 @@ _SEARCH_FANOUT = 32
 # 591.6 -> 465.6 against 4 per SM; 64 or 128 rows alike, 32 slower).
 _NORM_PROGRAMS_PER_SM = 8
 _NORM_ROWS = 64
+# QK norm's forward holds a whole head per row in float32 until the row's sum of squares is known. For the 16-bit
+# half-split tile the compiler takes 128 registers per thread; 96 hold it without spilling (ptxas -v), and the
+# warps this adds per SM keep more loads in flight (benchmarks/qknorm_study.py, H200, 4K tokens: Gemma's form 31.3
+# -> 29.3 µs, partial rotary 64/128 35.9 -> 31.9, Qwen3-8B and d 256 unchanged). The interleaved tile is another
+# shape (77 registers) and spills under the cap: it is left to the compiler, as are 32-bit types.
+_NORM_FWD_MAXNREG = 96
 
 
 def empty(x: torch.Tensor, dense: bool = False) -> torch.Tensor:
@@ -344,8 +350,9 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         args.update(n_items=items, n_progs=max(progs, 1), eps=float(eps), NORM=norm,
                     **{f"stride_s{name}{role}": st for name, rs in zip("qk", saved_roles, strict=True)
                        for role, st in zip("sbhd", rs, strict=True)})
+        cap = _NORM_FWD_MAXNREG if not backward and x.is_cuda and x.element_size() == 2 and not interleaved else None
         return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, args), num_warps, x.device,
-                    dense)
+                    dense, None if cap is None else dict(maxnreg=cap))
     return Plan(kernel, (n_groups * chunks, 1, 1), kernel_args(kernel, args), num_warps, x.device, dense,
                 dict(launch_pdl=True) if pdl else None)
 
@@ -533,21 +540,19 @@ def _align(*tensors) -> tuple:
 
 
 def _cache_plan(q, k, v, key_cache, value_cache, slots, positions, cos, sin, rows, interleaved, fp8) -> Plan:
-    """The plan of one call: a program takes a chunk of one token's q and k rows (the table kernel's tile and
-    program size, as for thd with positions), its k rows' slot read once."""
+    """The plan of one call: a program takes one tile of a token's q and k rows (the table kernel's tile, as for
+    thd with positions) and reads the token's slot once."""
     t, hq, d = q.shape
     hk = k.shape[1]
     rot = 2 * cos.shape[1]
     block_r, block_half, block_tail, num_warps = _tile(d, rot, interleaved, q.element_size(), hq + hk,
                                                        _table_tile((q.numel() + 2 * k.numel()) * q.element_size(),
                                                                    q.device, False))
-    rows_per_program = _rows_per_program(t, hq + hk, block_r, False, q.element_size(), rot == d, True, q.device,
-                                         q.element_size() * d, True)
-    chunks = triton.cdiv(hq + hk, rows_per_program)
-    _check_index_range(t * chunks, hq + hk + rows_per_program)
+    chunks = triton.cdiv(hq + hk, block_r)
+    _check_index_range(t * chunks, hq + hk + block_r)
     n_blocks, block_size = key_cache.shape[:2]
     args = dict(
-        q_heads=hq, k_heads=hk, q_rows=hq, k_rows=hk, rows_per_program=rows_per_program, n_groups=t, inner=chunks,
+        q_heads=hq, k_heads=hk, q_rows=hq, k_rows=hk, n_groups=t, inner=chunks,
         freqs_len=rows, n_slot_entries=slots.shape[0], n_cache_slots=n_blocks * block_size, block_size=block_size,
         **{f"stride_{name}{role}": st for name, x in (("q", q), ("k", k), ("v", v))
            for role, st in zip("shd", x.stride(), strict=True)},
