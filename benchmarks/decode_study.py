@@ -78,13 +78,14 @@ def inputs(seed=0):
     angles = torch.arange(ROWS, device="cuda")[:, None].float() * inv  # [ROWS, D/2]
     full = torch.cat([angles, angles], -1)
     return dict(
-        q=r(B, HQ, 1, D), k=r(B, HK, 1, D),  # transformers' [b, h, s, d]
+        q=r(B, 1, HQ, D).transpose(1, 2), k=r(B, 1, HK, D).transpose(1, 2),  # transformers' [b, h, s, d] views
         cos=full[pos][:, None].cos().to(DT), sin=full[pos][:, None].sin().to(DT),  # [b, s, d]
         t=r(1, B, HQ, D), freqs=full[:, None, None, :].contiguous(), start=pos.to(torch.int32),
         cache_rows=torch.cat([angles.cos(), angles.sin()], -1).to(DT), positions=pos,
         query=r(B, HQ * D), key=r(B, HK * D),
         qk=r(B, HQ + HK, D), half_cos=angles.cos().to(DT).contiguous(), half_sin=angles.sin().to(DT).contiguous(),
-        m_q=r(1, 28, B, D), m_k=r(1, 4, B, D), m_pos=torch.randint(0, ROWS, (3, 1, B), generator=g, device="cuda"),
+        m_q=r(1, B, 28, D).transpose(1, 2), m_k=r(1, B, 4, D).transpose(1, 2),
+        m_pos=torch.randint(0, ROWS, (3, 1, B), generator=g, device="cuda"),
         m_angles=angles, x=r(B, 4096), w=r(4096, (HQ + 2 * HK) * D),
     )
 
@@ -133,8 +134,12 @@ def liger_calls(a):
     except ImportError as e:
         return {"liger": f"not importable: {e}"}
     mcos, msin = mrope_tables(a)
-    q, k, tq, tk = a["q"].clone(), a["k"].clone(), a["t"][0][:, :, None].clone(), a["k"][:, :1].clone()  # in place
-    mq, mk = a["m_q"].clone(), a["m_k"].clone()
+    # Liger rotates in place, so each call gets copies; q and k in transformers' layout, [b, h, 1, d] views of [b, 1,
+    # h, d] memory: Liger takes the row stride from the sequence dim, which for a contiguous [b, h, 1, d] tensor is d,
+    # not h * d, and it then rotates the wrong rows (max error 8.4 against float64 on an H200).
+    q, k = (a[n].transpose(1, 2).contiguous().transpose(1, 2) for n in ("q", "k"))
+    tq, tk = a["t"][0][:, None].clone().transpose(1, 2), a["k"][:, :1].transpose(1, 2).contiguous().transpose(1, 2)
+    mq, mk = (a[n].transpose(1, 2).clone().transpose(1, 2) for n in ("m_q", "m_k"))
     return {"liger hf q+k": lambda: hf(q, k, a["cos"], a["sin"]),
             "liger te-shape q (cos per sequence)": lambda: hf(tq, tk, a["cos"], a["sin"]),
             "liger mrope q+k": lambda: mm(mq, mk, mcos, msin, [16, 24, 24])}

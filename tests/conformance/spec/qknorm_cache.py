@@ -61,6 +61,15 @@ def holds(m: int, count: int, pairs: int) -> bool:
     return len(range(m, min(3 * count, pairs), 3)) == count
 
 
+def interleaved_sections(pairs: int) -> list:
+    """The valid interleaved sections (pairs - s1 - s2, s1, s2), largest s1 and s2 first, those that map some pair
+    to another stream than consecutive sections would (so that reading one for the other shows), where any does."""
+    valid = [(pairs - s1 - s2, s1, s2) for s1 in range(pairs, -1, -1) if holds(1, s1, pairs)
+             for s2 in range(pairs - s1, -1, -1) if holds(2, s2, pairs)]
+    differ = [c for c in valid if not torch.equal(stream_of_pair(c, pairs, True), stream_of_pair(c, pairs, False))]
+    return differ or valid
+
+
 def stream_of_pair(section, pairs: int, interleaved: bool) -> torch.Tensor:
     if not interleaved:
         return torch.repeat_interleave(torch.arange(3), torch.tensor(list(section)))
@@ -103,15 +112,13 @@ class QKNormCache(Convention):
             mrope = caps["mrope"] and draw(st.booleans())
             inter = mrope and caps["mrope_interleaved"] and draw(st.booleans())
             section = ()
-            if inter:  # the largest sections first (Qwen3-VL's): where interleaving differs from consecutive
-                s1 = draw(st.sampled_from([c for c in range(pairs, -1, -1) if holds(1, c, pairs)]))
-                s2 = draw(st.sampled_from([c for c in range(pairs - s1, -1, -1) if holds(2, c, pairs)]))
-                section = (pairs - s1 - s2, s1, s2)
+            if inter:  # sections whose interleaved pairs differ from consecutive ones (Qwen3-VL's), largest first
+                section = draw(st.sampled_from(interleaved_sections(pairs)))
             elif mrope:
                 s0 = draw(st.integers(0, pairs))
                 s1 = draw(st.integers(0, pairs - s0))
                 section = (s0, s1, pairs - s0 - s1)
-            streams = mrope and draw(st.booleans())
+            streams = inter or (mrope and draw(st.booleans()))  # one stream for all three: no section matters
             hq = draw(st.integers(1, lim["h"]))
             strides = caps["strides"]
 
