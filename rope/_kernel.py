@@ -213,6 +213,35 @@ def _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs, stride
 
 
 @triton.jit
+def _group_of(item, n_groups, inner, n_batch, rows_per_program, q_rows, k_rows, stride_qs, stride_qb, stride_qos,
+              stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH: tl.constexpr,
+              SPLIT: tl.constexpr):
+    """Work item `item`'s group (s and b index), its rows [r_begin, r_end) and the group's offsets in q, q's output,
+    k and k's output."""
+    s_idx, b_idx, chunk = _item(item, n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
+    r_begin = chunk * rows_per_program
+    r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
+    return (s_idx, b_idx, r_begin, r_end, s_idx * stride_qs + b_idx * stride_qb,
+            s_idx * stride_qos + b_idx * stride_qob, s_idx * stride_ks + b_idx * stride_kb,
+            s_idx * stride_kos + b_idx * stride_kob)
+
+
+@triton.jit
+def _group_angles(s_idx, b_idx, freqs_ptr, sin_ptr, start_ptr, cu_ptr, seq_len, n_seqs, freqs_len, cp_size, cp_rank,
+                  stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm, ROT_DIM: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, IS_THD: tl.constexpr, HAS_START: tl.constexpr,
+                  USE_CP: tl.constexpr, BLOCK_HALF: tl.constexpr, PIN: tl.constexpr, TABLE: tl.constexpr,
+                  FANOUT: tl.constexpr, POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr,
+                  SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr):
+    """The group's cos/sin factors (`_angles`) at its position (`_position`; mRoPE: each pair's stream's)."""
+    stream = _stream_of_pair(BLOCK_HALF, MROPE, SEC0, SEC1, SEC2) if MROPE else 0
+    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps, stride_pb,
+                    stride_pm, stream, IS_THD, HAS_START, USE_CP, FANOUT, POS_TABLE, MROPE)
+    return _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs, stride_fb, stride_fd, stride_fm,
+                   ROT_DIM, INTERLEAVED, BACKWARD, BLOCK_HALF, PIN, TABLE, HALF_TABLE, MROPE)
+
+
+@triton.jit
 def _row_offsets(x_base, o_base, rows, n_heads, stride_xb, stride_xh, stride_ob, stride_oh,
                  GROUP_PER_BATCH: tl.constexpr):
     """Offsets of a group's `rows` (int32) in x and in out (rows are (b, h) pairs, or heads)."""
@@ -305,20 +334,6 @@ def _store_chunk(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, xa, xb, tail, cos_a, cos_b,
 # too (the launcher gives it a tile of one masked column where there is none). Backward: the program loops over
 # work items (pid, pid + n_progs, ...) and writes its partial weight gradients, q's then k's, to row pid of
 # part [n_progs, 2, HEAD_DIM]; the launcher sums the rows in a fixed order (no atomics).
-
-@triton.jit
-def _norm_weights(w_ptr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, NORM: tl.constexpr):
-    """The weights of channels a, b and of the tail as float32 [1, n] rows (Gemma's form: 1 + w)."""
-    k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
-    t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
-    wa = _shared_load(w_ptr + col_a, k_ok, 0.0).to(tl.float32)
-    wb = _shared_load(w_ptr + col_b, k_ok, 0.0).to(tl.float32)
-    wt = _shared_load(w_ptr + t_cols, t_cols < HEAD_DIM, 0.0).to(tl.float32)
-    if NORM == 2:
-        wa, wb, wt = wa + 1.0, wb + 1.0, wt + 1.0
-    return wa[None, :], wb[None, :], wt[None, :]
-
 
 @triton.jit
 def _load_head(rp_q, rp_k, in_q, r_ok, sd_q, sd_k, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
@@ -430,23 +445,19 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
     if not BACKWARD:
         # One work item per program (the launcher's grid). As in _rope, the first tile's loads are issued
         # before the position, the angles and the weights are found.
-        s_idx, b_idx, chunk = _item(pid, n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
-        r_begin = chunk * rows_per_program
-        r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
-        q_base, qo_base = s_idx * stride_qs + b_idx * stride_qb, s_idx * stride_qos + b_idx * stride_qob
-        k_base, ko_base = s_idx * stride_ks + b_idx * stride_kb, s_idx * stride_kos + b_idx * stride_kob
+        s_idx, b_idx, r_begin, r_end, q_base, qo_base, k_base, ko_base = _group_of(
+            pid, n_groups, inner, n_batch, rows_per_program, q_rows, k_rows, stride_qs, stride_qb, stride_qos,
+            stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH, SPLIT)
         xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin,
                                            r_end, q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob,
                                            stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
                                            GROUP_PER_BATCH, BLOCK_R, True)
         xa, xb, xt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
                                 BLOCK_HALF, BLOCK_TAIL)
-        stream = _stream_of_pair(BLOCK_HALF, MROPE, SEC0, SEC1, SEC2) if MROPE else 0
-        pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps, stride_pb,
-                        stride_pm, stream, IS_THD, HAS_START, USE_CP, FANOUT, POS_TABLE, MROPE)
-        cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs,
-                                             stride_fb, stride_fd, stride_fm, ROT_DIM, INTERLEAVED, False,
-                                             BLOCK_HALF, PIN, TABLE, HALF_TABLE, MROPE)
+        cos_a, cos_b, sin_a, sin_b = _group_angles(
+            s_idx, b_idx, freqs_ptr, sin_ptr, start_ptr, cu_ptr, seq_len, n_seqs, freqs_len, cp_size, cp_rank,
+            stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm, ROT_DIM, INTERLEAVED, False,
+            IS_THD, HAS_START, USE_CP, BLOCK_HALF, PIN, TABLE, FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2)
         _norm_rotate_store(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, xt, cos_a, cos_b, sin_a, sin_b,
                            wq_ptr, wk_ptr, eps, out_ty, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF,
                            BLOCK_TAIL, RNE_BF16, INPLACE, NORM)
@@ -468,18 +479,15 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
         acc_qt = tl.zeros([BLOCK_TAIL], tl.float32)
         acc_kt = tl.zeros([BLOCK_TAIL], tl.float32)
         for item in range(pid, n_items, n_progs):
-            s_idx, b_idx, chunk = _item(item, n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
-            r_begin = chunk * rows_per_program
-            r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
-            q_base, qo_base = s_idx * stride_qs + b_idx * stride_qb, s_idx * stride_qos + b_idx * stride_qob
-            k_base, ko_base = s_idx * stride_ks + b_idx * stride_kb, s_idx * stride_kos + b_idx * stride_kob
+            s_idx, b_idx, r_begin, r_end, q_base, qo_base, k_base, ko_base = _group_of(
+                item, n_groups, inner, n_batch, rows_per_program, q_rows, k_rows, stride_qs, stride_qb, stride_qos,
+                stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH, SPLIT)
             sq_base, sk_base = s_idx * stride_sqs + b_idx * stride_sqb, s_idx * stride_sks + b_idx * stride_skb
-            stream = _stream_of_pair(BLOCK_HALF, MROPE, SEC0, SEC1, SEC2) if MROPE else 0
-            pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps, stride_pb,
-                            stride_pm, stream, IS_THD, HAS_START, USE_CP, FANOUT, POS_TABLE, MROPE)
-            cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs,
-                                                 stride_fb, stride_fd, stride_fm, ROT_DIM, INTERLEAVED, BACKWARD,
-                                                 BLOCK_HALF, PIN, TABLE, HALF_TABLE, MROPE)
+            cos_a, cos_b, sin_a, sin_b = _group_angles(
+                s_idx, b_idx, freqs_ptr, sin_ptr, start_ptr, cu_ptr, seq_len, n_seqs, freqs_len, cp_size, cp_rank,
+                stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm, ROT_DIM, INTERLEAVED,
+                BACKWARD, IS_THD, HAS_START, USE_CP, BLOCK_HALF, PIN, TABLE, FANOUT, POS_TABLE, HALF_TABLE, MROPE,
+                SEC0, SEC1, SEC2)
             for r0 in range(r_begin, r_end, BLOCK_R):
                 xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0,
                                                    r_end, q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob,
@@ -714,13 +722,9 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
     """One program of either kernel: its chunks of a group's rows, rotated by the group's angles."""
     if PDL:  # launched as a programmatic dependent of the kernel before it: wait for that kernel's writes first
         tl.extra.cuda.gdc_wait()
-    s_idx, b_idx, chunk = _program(n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
-    r_begin = chunk * rows_per_program
-    r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
-    q_base = s_idx * stride_qs + b_idx * stride_qb
-    qo_base = s_idx * stride_qos + b_idx * stride_qob
-    k_base = s_idx * stride_ks + b_idx * stride_kb
-    ko_base = s_idx * stride_kos + b_idx * stride_kob
+    s_idx, b_idx, r_begin, r_end, q_base, qo_base, k_base, ko_base = _group_of(
+        tl.program_id(0), n_groups, inner, n_batch, rows_per_program, q_rows, k_rows, stride_qs, stride_qb, stride_qos,
+        stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH, SPLIT)
     out_ty = qo_ptr.dtype.element_ty
     # The first chunk is loaded before the angles: its loads are in flight while they are found.
     xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin, r_end,
@@ -728,12 +732,10 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
                                        stride_kb, stride_kh, stride_kob, stride_koh, GROUP_PER_BATCH, BLOCK_R, QK)
     xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
                                BLOCK_HALF, BLOCK_TAIL, INPLACE)
-    stream = _stream_of_pair(BLOCK_HALF, MROPE, SEC0, SEC1, SEC2) if MROPE else 0
-    pos = _position(s_idx, b_idx, start_ptr, cu_ptr, seq_len, n_seqs, cp_size, cp_rank, stride_ps, stride_pb,
-                    stride_pm, stream, IS_THD, HAS_START, USE_CP, FANOUT, POS_TABLE, MROPE)
-    cos_a, cos_b, sin_a, sin_b = _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs, stride_fb,
-                                         stride_fd, stride_fm, ROT_DIM, INTERLEAVED, BACKWARD, BLOCK_HALF, PIN, TABLE,
-                                         HALF_TABLE, MROPE)
+    cos_a, cos_b, sin_a, sin_b = _group_angles(
+        s_idx, b_idx, freqs_ptr, sin_ptr, start_ptr, cu_ptr, seq_len, n_seqs, freqs_len, cp_size, cp_rank, stride_fs,
+        stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm, ROT_DIM, INTERLEAVED, BACKWARD, IS_THD,
+        HAS_START, USE_CP, BLOCK_HALF, PIN, TABLE, FANOUT, POS_TABLE, HALF_TABLE, MROPE, SEC0, SEC1, SEC2)
     _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
                  HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
     for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):

@@ -19,36 +19,45 @@ from collections import Counter
 import triton
 from triton.backends.compiler import GPUTarget
 
-from rope._kernel import rope_kernel, rope_qk_kernel
+from rope import _kernel
 
 CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "INTERLEAVED", "BACKWARD", "IS_THD", "GROUP_PER_BATCH", "HAS_START", "USE_CP",
               "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE", "SPLIT", "FANOUT",
-              "POS_TABLE", "HALF_TABLE", "MROPE", "SEC0", "SEC1", "SEC2", "PDL")
+              "POS_TABLE", "HALF_TABLE", "MROPE", "SEC0", "SEC1", "SEC2", "PDL", "NORM", "BLOCK_D", "FP8", "FP8_BITS")
+# pointer types other than the tensors' dtype (cache kernel: the caches are e4m3 with fp8)
+POINTERS = {"freqs_ptr": "*fp32", "start_ptr": "*i32", "part_ptr": "*fp32", "slot_ptr": "*i64", "pos_ptr": "*i64",
+            "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": None}
 
 
 def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=False, backward=False, thd=False,
                     start=False, cp=False, inplace=False, block_r=8, num_warps=2, table=False, split=False,
-                    pos_table=False, mrope=0, sections=(0, 0, 0), pdl=False):
+                    pos_table=False, mrope=0, sections=(0, 0, 0), pdl=False, norm=0, fp8=False):
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
+    if norm:
+        block_tail = max(block_tail, 1)  # as the launcher: the norm's tail is one masked column where there is none
     values = dict(HEAD_DIM=d, ROT_DIM=d2, INTERLEAVED=interleaved, BACKWARD=backward, IS_THD=thd,
                   GROUP_PER_BATCH=start and not thd, HAS_START=start, USE_CP=cp, BLOCK_R=block_r,
                   BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, RNE_BF16=False, PIN=True, INPLACE=inplace,
                   TABLE=table, SPLIT=split, FANOUT=32 if thd and not pos_table else 1,
                   POS_TABLE=pos_table, HALF_TABLE=False, MROPE=mrope, SEC0=sections[0], SEC1=sections[1],
-                  SEC2=sections[2], PDL=pdl)
+                  SEC2=sections[2], PDL=pdl, NORM=norm, BLOCK_D=triton.next_power_of_2(d), FP8=fp8, FP8_BITS=False)
     values = {name: v for name, v in values.items() if name in kernel.arg_names}  # an older kernel may lack some
+    cache_type = "*fp8e4nv" if fp8 else "*" + dtype
     signature, constexprs, attrs = {}, dict(values), {}
     for i, name in enumerate(kernel.arg_names):
         if name in CONSTEXPRS:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            index = "*i64" if pos_table else "*i32"
-            signature[name] = {"freqs_ptr": "*fp32", "start_ptr": "*i32", "cu_ptr": index}.get(name, "*" + dtype)
+            types = {**POINTERS, "cu_ptr": "*i64" if pos_table else "*i32", "kc_ptr": cache_type, "vc_ptr": cache_type,
+                     "sin_ptr": "*fp32" if "cos_ptr" in kernel.arg_names else "*" + dtype}
+            signature[name] = types.get(name) or "*" + dtype
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name.startswith("stride") and name.endswith("d"):  # last-dim strides of contiguous tensors
             signature[name] = "constexpr"
             constexprs[name] = 1
+        elif name == "eps":
+            signature[name] = "fp32"
         else:
             signature[name] = "i64" if name.startswith("stride") else "i32"
             if name.startswith("stride"):
@@ -85,6 +94,25 @@ VARIANTS = [
     ("fp16 d80 partial, split", dict(dtype="fp16", d=80, d2=64, split=True)),
     ("table, thd positions, PDL", dict(table=True, thd=True, pos_table=True, block_r=8, num_warps=1, pdl=True)),
 ]
+# rope_qknorm_kernel (the launcher's table tile: 8 rows, one warp for bf16 d 128) and rope_cache_kernel
+NORM_VARIANTS = [
+    ("norm fwd, table bf16 d128", dict(table=True, norm=1, num_warps=1, split=True)),
+    ("norm bwd, table bf16 d128", dict(table=True, norm=1, num_warps=1, split=True, backward=True)),
+    ("norm fwd, Gemma, interleaved", dict(table=True, norm=2, interleaved=True, num_warps=2, split=True)),
+    ("norm fwd, partial 64/128 fp32", dict(table=True, norm=1, dtype="fp32", d2=64, num_warps=2, split=True)),
+    ("norm fwd, thd positions, mRoPE", dict(table=True, norm=1, thd=True, pos_table=True, num_warps=1, split=True,
+                                            mrope=2, sections=(24, 20, 20))),
+    ("norm fwd, freqs, start", dict(norm=1, start=True, num_warps=1, split=True)),
+]
+CACHE_VARIANTS = [
+    ("cache bf16 d128, 16 rows", dict(block_r=16, num_warps=2, split=True)),
+    ("cache fp8 d128, 8 rows", dict(block_r=8, num_warps=1, split=True, fp8=True)),
+    ("cache interleaved partial 64/128", dict(block_r=8, num_warps=1, split=True, interleaved=True, d2=64)),
+]
+
+
+KERNELS = {"rope_kernel": VARIANTS, "rope_qk_kernel": VARIANTS, "rope_qknorm_kernel": NORM_VARIANTS,
+           "rope_cache_kernel": CACHE_VARIANTS}
 
 
 def _code(ptx: str) -> str:
@@ -104,13 +132,16 @@ def compare(old_path: str, arch: int = 90) -> int:
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
     differ = 0
-    for kernel, old_kernel in ((rope_kernel, old.rope_kernel), (rope_qk_kernel, old.rope_qk_kernel)):
-        for name, kw in VARIANTS:
+    for kernel_name, variants in KERNELS.items():
+        if not hasattr(old, kernel_name):  # an older kernel module may lack the later kernels
+            continue
+        kernel, old_kernel = getattr(_kernel, kernel_name), getattr(old, kernel_name)
+        for name, kw in variants:
             new_code = _code(compile_variant(kernel, arch, **kw).asm["ptx"]).replace(kernel.fn.__name__, "K")
             old_code = _code(compile_variant(old_kernel, arch, **kw).asm["ptx"]).replace(kernel.fn.__name__, "K")
             same = new_code == old_code
             differ += not same
-            print(f"{kernel.fn.__name__:15s} {name:28s} {'identical' if same else 'DIFFERENT'}")
+            print(f"{kernel.fn.__name__:18s} {name:32s} {'identical' if same else 'DIFFERENT'}")
     return differ
 
 
@@ -121,9 +152,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.compare:
         raise SystemExit(1 if compare(args.compare, args.arch) else 0)
-    for kernel in (rope_kernel, rope_qk_kernel):
-        for name, kw in VARIANTS:
-            print(f"{kernel.fn.__name__:15s} {name:24s} {summarize(compile_variant(kernel, args.arch, **kw))}")
+    for kernel_name, variants in KERNELS.items():
+        kernel = getattr(_kernel, kernel_name)
+        for name, kw in variants:
+            print(f"{kernel.fn.__name__:18s} {name:32s} {summarize(compile_variant(kernel, args.arch, **kw))}")
 
 
 if __name__ == "__main__":
