@@ -71,8 +71,9 @@ _NORM_ROWS = 64
 # QK norm's forward holds a whole head per row in float32 until the row's sum of squares is known. For the 16-bit
 # half-split tile the compiler takes 128 registers per thread; 96 hold it without spilling (ptxas -v), and the
 # warps this adds per SM keep more loads in flight (benchmarks/qknorm_study.py, H200, 4K tokens: Gemma's form 31.3
-# -> 29.3 µs, partial rotary 64/128 35.9 -> 31.9, Qwen3-8B and d 256 unchanged). The interleaved tile is another
-# shape (77 registers) and spills under the cap: it is left to the compiler, as are 32-bit types.
+# -> 29.3 µs, partial rotary 64/128 35.9 -> 31.9, Qwen3-8B and d 256 unchanged). The interleaved tile (77 registers)
+# and 32-bit types (70 for fp32 d 128) stay below it, and given a cap ptxas spends up to it (fp32: 94): they are
+# left to the compiler.
 _NORM_FWD_MAXNREG = 96
 
 
