@@ -41,6 +41,29 @@ def correct(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return q, k
 
 
+def row_stride_of_sequence_dim(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Liger's launcher (liger-kernel 0.8.5): it transposes q to [b, s, h, d], makes it contiguous, and addresses
+    token t's heads at t * stride(1) + head * d. PyTorch leaves a size-1 dim's stride free, so with s = 1 a
+    contiguous [b, h, 1, d] q is "contiguous" transposed too, with stride(1) = d, not h * d: token t reads and
+    writes the heads of rows t .. t + h - 1 (on an H200, decode q [64, 32, 1, 128]: 8.4 off float64). Tokens are
+    taken in order here, as the interpreter runs programs; other layouts are copied first, as `.contiguous()` does."""
+    cos, sin = tables3(cos, sin)
+    b, _, s, _ = q.shape
+    c, s_ = per_token(cos, b, s), per_token(sin, b, s)
+    out = []
+    for x in (q, k):
+        t = x.transpose(1, 2)
+        if not t.is_contiguous():
+            t = t.contiguous()  # a copy, rotated and returned (as the launcher does)
+        h, d, row = t.shape[2], t.shape[3], t.stride(1)
+        flat = t.as_strided((t.numel(),), (1,))
+        for token in range(b * s):
+            heads = flat.as_strided((1, h, 1, d), (0, d, 0, 1), flat.storage_offset() + token * row)
+            rotate_in_place(heads, c[token // s, token % s][None, None], s_[token // s, token % s][None, None])
+        out.append(t.transpose(1, 2))
+    return out[0], out[1]
+
+
 def writes_a_copy(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Rotates a contiguous copy (as `.contiguous()` before the kernel makes one for other layouts) and returns the
     caller's q and k, unwritten."""
@@ -153,6 +176,7 @@ def backward_not_transposed(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
 
 CORRECT = correct
 BUGS = {
+    "row_stride_of_sequence_dim": (row_stride_of_sequence_dim, ("forward",)),
     "writes_a_copy": (writes_a_copy, ("forward",)),
     "second_half_reads_written_first": (second_half_reads_written_first, ("forward",)),
     "k_rows_by_q_heads": (k_rows_by_q_heads, ("forward", "q_k_independent")),
