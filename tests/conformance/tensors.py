@@ -20,6 +20,10 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class Layout(NamedTuple):
     order: tuple  # the dims, outermost first, as they lie in memory (the last dim always last)
     pad: tuple  # extra elements per dim (logical order); the view sits after pad // 2 of them
+    # > 0: the view's size-1 dims take this stride. PyTorch leaves a size-1 dim's stride free (such a tensor is
+    # still contiguous), so an implementation must never let it address anything; one that takes a row stride
+    # from it (Liger's decode launcher) rotates the wrong rows.
+    unit_stride: int = 0
 
 
 def contiguous(ndim: int) -> Layout:
@@ -28,14 +32,18 @@ def contiguous(ndim: int) -> Layout:
 
 @st.composite
 def layouts(draw, ndim: int, padded_dims=None, permute: bool = True) -> Layout:
-    """Contiguous half the time; else leading dims permuted and/or padded (`padded_dims`: which may be)."""
-    if ndim == 0 or draw(st.booleans()):
+    """Contiguous half the time; else leading dims permuted and/or padded (`padded_dims`: which may be). Either
+    way, size-1 dims get a stride no dense layout gives them half the time."""
+    if ndim == 0:
         return contiguous(ndim)
+    unit = draw(st.sampled_from((0, 5)))
+    if draw(st.booleans()):
+        return contiguous(ndim)._replace(unit_stride=unit)
     lead = list(range(ndim - 1))
     order = tuple(draw(st.permutations(lead))) + (ndim - 1,) if permute else tuple(range(ndim))
     dims = range(ndim) if padded_dims is None else padded_dims
     pad = tuple(draw(st.sampled_from((0, 0, 1, 3))) if i in dims else 0 for i in range(ndim))
-    return Layout(order, pad)
+    return Layout(order, pad, unit)
 
 
 class Arena:
@@ -57,6 +65,9 @@ class Arena:
         full = buffer.permute(inverse)
         view = full[tuple(slice(p // 2, p // 2 + n) for n, p in zip(values.shape, layout.pad, strict=True))]
         view.copy_(values.to(self.device))
+        if layout.unit_stride and 1 in view.shape:
+            strides = [layout.unit_stride if n == 1 else st_ for n, st_ in zip(view.shape, view.stride(), strict=True)]
+            view = view.as_strided(view.shape, strides, view.storage_offset())
         self.buffers.append(buffer)
         return view
 
