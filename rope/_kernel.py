@@ -392,29 +392,24 @@ def _norm_rotate_store(oq, ok, in_q, r_ok, sd_q, sd_k, xa, xb, xt, cos_a, cos_b,
 
 
 @triton.jit
-def _weight_ptrs(wq_ptr, wk_ptr, in_q, cols):
-    """Pointers of a [rows, cols] tile of weights, q's for rows in q, else k's (as `_tile_ptrs`: chosen as 2-D
-    pointers, so that the loads stay 16 bytes wide)."""
-    return tl.where(in_q[:, None], wq_ptr + cols[None, :], wk_ptr + cols[None, :])
-
-
-@triton.jit
 def _tile_weights(wq_ptr, wk_ptr, in_q, r_ok, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
                   INTERLEAVED: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, NORM: tl.constexpr):
     """The weights of a tile's rows (q's or k's) for channels a, b and the tail, as float32 tiles in the rows'
     layout (Gemma's form: 1 + w). Read per row from L1, they take a tile's registers, not both tensors' rows."""
     k_ok, col_a, col_b = _pair_columns(ROT_DIM, INTERLEAVED, BLOCK_HALF)
     t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+    rows = tl.zeros_like(in_q.to(tl.int32))  # every row reads its tensor's one weight vector
+    wq_rows, wk_rows = wq_ptr + rows, wk_ptr + rows
     if INTERLEAVED:  # as _load_chunk: one contiguous slice split in registers, so that the loads stay wide
         cols = tl.arange(0, 2 * BLOCK_HALF)
-        w = tl.load(_weight_ptrs(wq_ptr, wk_ptr, in_q, cols), mask=r_ok[:, None] & (cols < ROT_DIM)[None, :],
+        w = tl.load(_tile_ptrs(wq_rows, wk_rows, in_q, cols, 1, 1), mask=r_ok[:, None] & (cols < ROT_DIM)[None, :],
                     other=0.0).to(tl.float32)
         wa, wb = tl.split(tl.reshape(w, (w.shape[0], BLOCK_HALF, 2)))
     else:
         m = r_ok[:, None] & k_ok[None, :]
-        wa = tl.load(_weight_ptrs(wq_ptr, wk_ptr, in_q, col_a), mask=m, other=0.0).to(tl.float32)
-        wb = tl.load(_weight_ptrs(wq_ptr, wk_ptr, in_q, col_b), mask=m, other=0.0).to(tl.float32)
-    wt = tl.load(_weight_ptrs(wq_ptr, wk_ptr, in_q, t_cols), mask=r_ok[:, None] & (t_cols < HEAD_DIM)[None, :],
+        wa = tl.load(_tile_ptrs(wq_rows, wk_rows, in_q, col_a, 1, 1), mask=m, other=0.0).to(tl.float32)
+        wb = tl.load(_tile_ptrs(wq_rows, wk_rows, in_q, col_b, 1, 1), mask=m, other=0.0).to(tl.float32)
+    wt = tl.load(_tile_ptrs(wq_rows, wk_rows, in_q, t_cols, 1, 1), mask=r_ok[:, None] & (t_cols < HEAD_DIM)[None, :],
                  other=0.0).to(tl.float32)
     if NORM == 2:
         wa, wb, wt = wa + 1.0, wb + 1.0, wt + 1.0

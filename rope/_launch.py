@@ -168,7 +168,7 @@ class Plan:
         self.scalars = scalars  # every argument after the pointers, in the kernel's order (`kernel_args`)
         self.num_warps = num_warps
         self.compiled = None
-        self.options = options or {}  # Triton's compile options beyond num_warps (`PDL`)
+        self.options = options or {}  # Triton's compile options beyond num_warps (launch_pdl, maxnreg)
 
     def arg(self, name: str):
         """The value of the kernel's scalar argument `name` (tests and tools; not on the hot path)."""
