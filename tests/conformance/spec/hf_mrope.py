@@ -61,13 +61,22 @@ def pairs_per_stream_at_most(pairs: int, m: int) -> int:
     return len(range(m, pairs, 3))
 
 
+def interleaved_sections(pairs: int) -> list:
+    """The sections the interleaved layout can hold, largest streams 1 and 2 first; of them, those under which some
+    pair reads another stream than under consecutive sections (so that taking one layout for the other shows),
+    where there are any."""
+    valid = [(pairs - s1 - s2, s1, s2) for s1 in range(pairs_per_stream_at_most(pairs, 1), -1, -1)
+             for s2 in range(pairs_per_stream_at_most(pairs, 2), -1, -1)]
+    differ = [c for c in valid if not torch.equal(stream_of_pair(c, pairs, True), stream_of_pair(c, pairs, False))]
+    return differ or valid
+
+
 @st.composite
 def sections(draw, pairs: int, interleaved_layout: bool):
     """Three counts of pairs summing to `pairs` (zeros included), each one the layout can hold: interleaved,
     stream m in (1, 2) takes pairs m, m + 3, ... below 3 * section[m], which must hold section[m] of them."""
     if interleaved_layout:
-        s1 = draw(st.integers(0, pairs_per_stream_at_most(pairs, 1)))
-        s2 = draw(st.integers(0, pairs_per_stream_at_most(pairs, 2)))
+        return draw(st.sampled_from(interleaved_sections(pairs)))
     else:
         s1 = draw(st.integers(0, pairs))
         s2 = draw(st.integers(0, pairs - s1))

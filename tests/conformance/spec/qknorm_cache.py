@@ -22,6 +22,7 @@ from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, head_and_rotary, qknorm_math, small
+from .hf_mrope import sections, stream_of_pair
 from .qknorm import EPS_VALUES, MAGNITUDES, QKNorm, rotation_preserves_norm
 from .te_qknorm import refuses
 
@@ -56,29 +57,6 @@ class Plan(NamedTuple):
         return not self.is_neox
 
 
-def holds(m: int, count: int, pairs: int) -> bool:
-    """Interleaved sections: stream m takes pairs m, m + 3, ... below 3 * count, which must be `count` of them."""
-    return len(range(m, min(3 * count, pairs), 3)) == count
-
-
-def interleaved_sections(pairs: int) -> list:
-    """The valid interleaved sections (pairs - s1 - s2, s1, s2), largest s1 and s2 first, those that map some pair
-    to another stream than consecutive sections would (so that reading one for the other shows), where any does."""
-    valid = [(pairs - s1 - s2, s1, s2) for s1 in range(pairs, -1, -1) if holds(1, s1, pairs)
-             for s2 in range(pairs - s1, -1, -1) if holds(2, s2, pairs)]
-    differ = [c for c in valid if not torch.equal(stream_of_pair(c, pairs, True), stream_of_pair(c, pairs, False))]
-    return differ or valid
-
-
-def stream_of_pair(section, pairs: int, interleaved: bool) -> torch.Tensor:
-    if not interleaved:
-        return torch.repeat_interleave(torch.arange(3), torch.tensor(list(section)))
-    stream = torch.zeros(pairs, dtype=torch.int64)
-    stream[1:3 * section[1]:3] = 1
-    stream[2:3 * section[2]:3] = 2
-    return stream
-
-
 class QKNormCache(Convention):
     NAME = "qknorm-cache"
     SIGNATURE = ("q", "k", "q_weight", "k_weight", "positions", "cos_sin_cache", "eps", "is_neox", "gemma",
@@ -111,13 +89,7 @@ class QKNormCache(Convention):
             pairs = rot // 2
             mrope = caps["mrope"] and draw(st.booleans())
             inter = mrope and caps["mrope_interleaved"] and draw(st.booleans())
-            section = ()
-            if inter:  # sections whose interleaved pairs differ from consecutive ones (Qwen3-VL's), largest first
-                section = draw(st.sampled_from(interleaved_sections(pairs)))
-            elif mrope:
-                s0 = draw(st.integers(0, pairs))
-                s1 = draw(st.integers(0, pairs - s0))
-                section = (s0, s1, pairs - s0 - s1)
+            section = draw(sections(pairs, inter)) if mrope else ()
             streams = inter or (mrope and draw(st.booleans()))  # one stream for all three: no section matters
             hq = draw(st.integers(1, lim["h"]))
             strides = caps["strides"]
