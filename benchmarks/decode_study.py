@@ -9,7 +9,9 @@ graph and replayed (bench_rope.gpu_us).
 1. Floors: an empty kernel; a copy of q+k by one program per token (the kernels below with nothing but the copy).
 2. The dependent-load chain, in kernels of this file that differ in one thing each (one program per token, all
    its q and k heads): the copy; plus a table row at the token's own index (two independent loads); plus a row at
-   a position loaded first (position -> row -> rotation: the chain of start_positions and vLLM's positions).
+   a position loaded first (position -> row -> rotation: the chain of start_positions and vLLM's positions); the
+   chain in bfloat16 arithmetic (Liger's numerics); the chain reading both halves of full-width cos/sin rows in
+   float32 (rope's contract: one rounding, halves never assumed equal).
 3. rope's calls at each shape, and Liger's where it has the form.
 4. Tile per token: rope's table-kernel tile for decode-size tensors (`rope._launch._TABLE_ROWS_SMALL` rows; 64
    covers a token's 40 heads, one program per token).
@@ -46,7 +48,9 @@ def _empty(x_ptr):
 @triton.jit
 def _chain(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
            D: tl.constexpr, MODE: tl.constexpr):
-    """One token's HEADS rows of x [T, HEADS, D]: MODE 0 copies, 1 rotates by table row t, 2 by row pos[t]."""
+    """One token's HEADS rows of x [T, HEADS, D]: MODE 0 copies, 1 rotates by half-table row t [T, D/2], 2 by row
+    pos[t]; 3 as 2 in bfloat16 arithmetic (Liger's: packed bf16 multiplies, each product rounded); 4 as 2 with both
+    halves of full-width rows [T, D] read, as rope's contract reads cos and sin (it never assumes them equal)."""
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)[:, None]
     c = tl.arange(0, D // 2)[None, :]
@@ -58,11 +62,24 @@ def _chain(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, HEADS: tl.constexpr, BLOCK
         ya, yb = xa, xb
     else:
         row = t if MODE == 1 else tl.load(pos_ptr + t)
-        co = tl.load(cos_ptr + row * (D // 2) + c).to(tl.float32)
-        si = tl.load(sin_ptr + row * (D // 2) + c).to(tl.float32)
-        fa, fb = xa.to(tl.float32), xb.to(tl.float32)
-        ya = (fa * co - fb * si).to(xa.dtype)
-        yb = (fb * co + fa * si).to(xb.dtype)
+        if MODE == 4:
+            ca = tl.load(cos_ptr + row * D + c).to(tl.float32)
+            cb = tl.load(cos_ptr + row * D + D // 2 + c).to(tl.float32)
+            sa = tl.load(sin_ptr + row * D + c).to(tl.float32)
+            sb = tl.load(sin_ptr + row * D + D // 2 + c).to(tl.float32)
+        else:
+            ca = tl.load(cos_ptr + row * (D // 2) + c)
+            sa = tl.load(sin_ptr + row * (D // 2) + c)
+            if MODE != 3:
+                ca, sa = ca.to(tl.float32), sa.to(tl.float32)
+            cb, sb = ca, sa
+        if MODE == 3:
+            ya = xa * ca - xb * sa
+            yb = xb * cb + xa * sb
+        else:
+            fa, fb = xa.to(tl.float32), xb.to(tl.float32)
+            ya = (fa * ca - fb * sa).to(xa.dtype)
+            yb = (fb * cb + fa * sb).to(xb.dtype)
     tl.store(out_ptr + at, ya, mask=ok)
     tl.store(out_ptr + at + D // 2, yb, mask=ok)
 
@@ -84,6 +101,7 @@ def inputs(seed=0):
         cache_rows=torch.cat([angles.cos(), angles.sin()], -1).to(DT), positions=pos,
         query=r(B, HQ * D), key=r(B, HK * D),
         qk=r(B, HQ + HK, D), half_cos=angles.cos().to(DT).contiguous(), half_sin=angles.sin().to(DT).contiguous(),
+        full_cos=full.cos().to(DT), full_sin=full.sin().to(DT),
         m_q=r(1, B, 28, D).transpose(1, 2), m_k=r(1, B, 4, D).transpose(1, 2),
         m_pos=torch.randint(0, ROWS, (3, 1, B), generator=g, device="cuda"),
         m_angles=angles, x=r(B, 4096), w=r(4096, (HQ + 2 * HK) * D),
@@ -102,6 +120,9 @@ def chain_calls(a):
         return lambda: _chain[(B,)](a["qk"], out, a["half_cos"], a["half_sin"], a["positions"], HQ + HK, 64, D, mode)
     return {"empty kernel": lambda: _empty[(1,)](out), "copy q+k, a program per token": chain(0),
             "+ table row t (independent loads)": chain(1), "+ row at a loaded position (chain)": chain(2),
+            "as the chain, bf16 arithmetic (Liger's)": chain(3),
+            "as the chain, full-width cos/sin rows": lambda: _chain[(B,)](a["qk"], out, a["full_cos"], a["full_sin"],
+                                                                         a["positions"], HQ + HK, 64, D, 4),
             "torch clone q": lambda: a["query"].clone(), "torch clone q and k": lambda: (a["query"].clone(),
                                                                                         a["key"].clone())}
 

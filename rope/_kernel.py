@@ -63,25 +63,42 @@ def _shared_load(ptrs, mask, other):
 
 
 @triton.jit
-def _program(n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr, SPLIT: tl.constexpr):
-    """(s index, b index, row chunk) of this program, in memory order. Index math is int32 (the launcher
-    keeps programs and rows below 2**31), as a 64-bit division is a long subroutine in front of the
-    first load; only offsets are 64-bit. Without SPLIT (one chunk per group) nothing is divided."""
-    return _item(tl.program_id(0), n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
+def _divmod(n, d, magic):
+    """(n // d, n % d) for int32 0 <= n < 2**31 and 1 <= d < 2**31 by a multiply-high, not a division: `magic`
+    holds the launcher's constants m and l for d (`rope._launch.magic`), and n // d = (umulhi(n, m) + n) >> l
+    (Granlund and Montgomery, 1994; the sum fits 32 bits as n < 2**31). The GPU has no integer divider: n // d is
+    about 25 instructions through a reciprocal and a float conversion, and where n is the program's id it stands in
+    front of the first load. This is five, on the uniform datapath there."""
+    nu = n.to(tl.uint32, bitcast=True)
+    shift = (magic >> 32).to(tl.uint32) & 31
+    q = ((tl.umulhi(nu, magic.to(tl.uint32)) + nu) >> shift).to(tl.int32, bitcast=True)
+    return q, n - q * d
 
 
 @triton.jit
-def _item(pid, n_groups, inner, n_batch, GROUP_PER_BATCH: tl.constexpr, SPLIT: tl.constexpr):
+def _program(n_groups, inner, n_batch, magic_groups, magic_inner, magic_batch, GROUP_PER_BATCH: tl.constexpr,
+             SPLIT: tl.constexpr):
+    """(s index, b index, row chunk) of this program, in memory order. Index math is int32 (the launcher
+    keeps programs and rows below 2**31); only offsets are 64-bit. Without SPLIT (one chunk per group) and
+    GROUP_PER_BATCH nothing is divided. `magic_*`: the divisors' constants for `_divmod`."""
+    return _item(tl.program_id(0), n_groups, inner, n_batch, magic_groups, magic_inner, magic_batch, GROUP_PER_BATCH,
+                 SPLIT)
+
+
+@triton.jit
+def _item(pid, n_groups, inner, n_batch, magic_groups, magic_inner, magic_batch, GROUP_PER_BATCH: tl.constexpr,
+          SPLIT: tl.constexpr):
     """`_program` of work item `pid` (a program of the norm's backward takes several items in turn)."""
     if not SPLIT:
         group = pid
         chunk = pid * 0
     else:
-        run = pid // inner
-        group = run % n_groups
-        chunk = (run // n_groups) * inner + pid % inner
+        run, in_run = _divmod(pid, inner, magic_inner)
+        outer, group = _divmod(run, n_groups, magic_groups)
+        chunk = outer * inner + in_run
     if GROUP_PER_BATCH:
-        return (group // n_batch).to(tl.int64), (group % n_batch).to(tl.int64), chunk
+        s_idx, b_idx = _divmod(group, n_batch, magic_batch)
+        return s_idx.to(tl.int64), b_idx.to(tl.int64), chunk
     return group.to(tl.int64), tl.zeros_like(group).to(tl.int64), chunk
 
 
@@ -213,12 +230,14 @@ def _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs, stride
 
 
 @triton.jit
-def _group_of(item, n_groups, inner, n_batch, rows_per_program, q_rows, k_rows, stride_qs, stride_qb, stride_qos,
+def _group_of(item, n_groups, inner, magic_groups, magic_inner, magic_batch, n_batch, rows_per_program, q_rows,
+              k_rows, stride_qs, stride_qb, stride_qos,
               stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH: tl.constexpr,
               SPLIT: tl.constexpr):
     """Work item `item`'s group (s and b index), its rows [r_begin, r_end) and the group's offsets in q, q's output,
     k and k's output."""
-    s_idx, b_idx, chunk = _item(item, n_groups, inner, n_batch, GROUP_PER_BATCH, SPLIT)
+    s_idx, b_idx, chunk = _item(item, n_groups, inner, n_batch, magic_groups, magic_inner, magic_batch, GROUP_PER_BATCH,
+                                  SPLIT)
     r_begin = chunk * rows_per_program
     r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
     return (s_idx, b_idx, r_begin, r_end, s_idx * stride_qs + b_idx * stride_qb,
@@ -418,7 +437,8 @@ def _tile_weights(wq_ptr, wk_ptr, in_q, r_ok, HEAD_DIM: tl.constexpr, ROT_DIM: t
 
 @triton.jit
 def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr,
-            part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+            part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups,
+            magic_inner, magic_batch,
             seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
             stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
             stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
@@ -441,7 +461,8 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
         # One work item per program (the launcher's grid). As in _rope, the first tile's loads are issued
         # before the position, the angles and the weights are found.
         s_idx, b_idx, r_begin, r_end, q_base, qo_base, k_base, ko_base = _group_of(
-            pid, n_groups, inner, n_batch, rows_per_program, q_rows, k_rows, stride_qs, stride_qb, stride_qos,
+            pid, n_groups, inner, magic_groups, magic_inner, magic_batch, n_batch, rows_per_program, q_rows, k_rows,
+            stride_qs, stride_qb, stride_qos,
             stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH, SPLIT)
         xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin,
                                            r_end, q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob,
@@ -475,7 +496,8 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
         acc_kt = tl.zeros([BLOCK_TAIL], tl.float32)
         for item in range(pid, n_items, n_progs):
             s_idx, b_idx, r_begin, r_end, q_base, qo_base, k_base, ko_base = _group_of(
-                item, n_groups, inner, n_batch, rows_per_program, q_rows, k_rows, stride_qs, stride_qb, stride_qos,
+                item, n_groups, inner, magic_groups, magic_inner, magic_batch, n_batch, rows_per_program, q_rows,
+                k_rows, stride_qs, stride_qb, stride_qos,
                 stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH, SPLIT)
             sq_base, sk_base = s_idx * stride_sqs + b_idx * stride_sqb, s_idx * stride_sks + b_idx * stride_skb
             cos_a, cos_b, sin_a, sin_b = _group_angles(
@@ -640,7 +662,8 @@ def _cache_store(xq, xk, in_q, r_ok, heads, xa, xb, tail, cos_a, cos_b, sin_a, s
 
 @triton.jit
 def _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-                 q_heads, k_heads, q_rows, k_rows, n_groups, inner, freqs_len, n_slot_entries, n_cache_slots,
+                 q_heads, k_heads, q_rows, k_rows, n_groups, inner, magic_groups, magic_inner, freqs_len,
+                 n_slot_entries, n_cache_slots,
                  block_size,
                  stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
                  stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
@@ -652,7 +675,7 @@ def _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr
     v rows stored. As in _rope, the tile and its v rows are loaded before the slot, the position and the angles
     are found: at decode the program's time is these loads' latency, which would otherwise come one after
     another. One tile per program keeps no angles live across tiles, hence fewer registers."""
-    s_idx, b_idx, chunk = _program(n_groups, inner, 1, False, SPLIT)
+    s_idx, b_idx, chunk = _program(n_groups, inner, 1, magic_groups, magic_inner, magic_inner, False, SPLIT)
     r_begin = chunk * BLOCK_R
     r_end = tl.minimum(r_begin + BLOCK_R, q_rows + k_rows)
     q_base = s_idx * stride_qs
@@ -692,18 +715,20 @@ def _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr
 # Integer arguments that are counts, not strides: Triton would specialize each on == 1 and on
 # divisibility by 16, multiplying the compiled variants for no faster code; strides keep their
 # specialization, which proves 16-byte alignment.
+_MAGIC = ["magic_groups", "magic_inner", "magic_batch"]
 _COUNTS = ["n_heads", "n_batch", "rows_per_group", "rows_per_program", "n_groups", "inner", "seq_len", "n_seqs",
-           "freqs_len", "cp_rank", "stride_fb"]
+           "freqs_len", "cp_rank", "stride_fb"] + _MAGIC
 _QK_COUNTS = ["q_heads", "k_heads", "n_batch", "q_rows", "k_rows", "rows_per_program", "n_groups", "inner", "seq_len",
-              "n_seqs", "freqs_len", "cp_rank", "stride_fb"]
+              "n_seqs", "freqs_len", "cp_rank", "stride_fb"] + _MAGIC
 _NORM_COUNTS = _QK_COUNTS + ["n_items", "n_progs"]
-_CACHE_COUNTS = ["q_heads", "k_heads", "q_rows", "k_rows", "n_groups", "inner",
+_CACHE_COUNTS = ["q_heads", "k_heads", "q_rows", "k_rows", "n_groups", "inner", "magic_groups", "magic_inner",
                  "freqs_len", "n_slot_entries", "n_cache_slots", "block_size"]
 
 
 @triton.jit
 def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
-          q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+          q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups, magic_inner,
+          magic_batch,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
           stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
@@ -718,7 +743,8 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
     if PDL:  # launched as a programmatic dependent of the kernel before it: wait for that kernel's writes first
         tl.extra.cuda.gdc_wait()
     s_idx, b_idx, r_begin, r_end, q_base, qo_base, k_base, ko_base = _group_of(
-        tl.program_id(0), n_groups, inner, n_batch, rows_per_program, q_rows, k_rows, stride_qs, stride_qb, stride_qos,
+        tl.program_id(0), n_groups, inner, magic_groups, magic_inner, magic_batch, n_batch, rows_per_program, q_rows,
+        k_rows, stride_qs, stride_qb, stride_qos,
         stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH, SPLIT)
     out_ty = qo_ptr.dtype.element_ty
     # The first chunk is loaded before the angles: its loads are in flight while they are found.
@@ -746,7 +772,7 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
 @triton.jit(do_not_specialize=_COUNTS)
 def rope_kernel(
     x_ptr, out_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
-    n_heads, n_batch, rows_per_group, rows_per_program, n_groups, inner,
+    n_heads, n_batch, rows_per_group, rows_per_program, n_groups, inner, magic_groups, magic_inner, magic_batch,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank,
     stride_xs, stride_xb, stride_xh, stride_xd,
     stride_os, stride_ob, stride_oh, stride_od,
@@ -761,7 +787,8 @@ def rope_kernel(
 ):
     """One tensor: x is q and k, and there are no k rows."""
     _rope(x_ptr, out_ptr, x_ptr, out_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
-          n_heads, n_heads, n_batch, rows_per_group, 0, rows_per_program, n_groups, inner,
+          n_heads, n_heads, n_batch, rows_per_group, 0, rows_per_program, n_groups, inner, magic_groups, magic_inner,
+          magic_batch,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
@@ -774,7 +801,8 @@ def rope_kernel(
 @triton.jit(do_not_specialize=_QK_COUNTS)
 def rope_qk_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
-    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups, magic_inner,
+    magic_batch,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank,
     stride_qs, stride_qb, stride_qh, stride_qd,
     stride_qos, stride_qob, stride_qoh, stride_qod,
@@ -791,7 +819,8 @@ def rope_qk_kernel(
 ):
     """q and k of one layer in one launch: a group's rows are q's then k's, its angles found once for both."""
     _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
-          q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+          q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups, magic_inner,
+          magic_batch,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
           stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
@@ -804,7 +833,8 @@ def rope_qk_kernel(
 @triton.jit(do_not_specialize=_NORM_COUNTS)
 def rope_qknorm_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr, part_ptr,
-    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups, magic_inner,
+    magic_batch,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
     stride_qs, stride_qb, stride_qh, stride_qd,
     stride_qos, stride_qob, stride_qoh, stride_qod,
@@ -824,7 +854,8 @@ def rope_qknorm_kernel(
     """q and k of one layer normalised per head (RMSNorm with weights w_q, w_k) and rotated, in one launch; the
     backward gives their gradients and the programs' partial weight gradients (part)."""
     _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr,
-            part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+            part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups,
+            magic_inner, magic_batch,
             seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
             stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
             stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
@@ -838,7 +869,8 @@ def rope_qknorm_kernel(
 @triton.jit(do_not_specialize=_CACHE_COUNTS)
 def rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-    q_heads, k_heads, q_rows, k_rows, n_groups, inner, freqs_len, n_slot_entries, n_cache_slots, block_size,
+    q_heads, k_heads, q_rows, k_rows, n_groups, inner, magic_groups, magic_inner, freqs_len, n_slot_entries,
+    n_cache_slots, block_size,
     stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
     stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
     stride_fs, stride_fd, stride_ps, stride_slot,
@@ -849,7 +881,8 @@ def rope_cache_kernel(
     """q and k of each token rotated in place at positions[t] of the half cos/sin tables, the rotated k and the
     v stored at the token's slot of the caches (the KV-CACHE WRITE section above)."""
     _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-                 q_heads, k_heads, q_rows, k_rows, n_groups, inner, freqs_len, n_slot_entries, n_cache_slots,
+                 q_heads, k_heads, q_rows, k_rows, n_groups, inner, magic_groups, magic_inner, freqs_len,
+                 n_slot_entries, n_cache_slots,
                  block_size,
                  stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
                  stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,

@@ -253,6 +253,20 @@ def _rows_per_program(n_groups: int, rows: int, block_r: int, spans_batch: bool,
     return triton.cdiv(triton.cdiv(rows, splits), block_r) * block_r
 
 
+def magic(d: int) -> int:
+    """The constants of `_kernel._divmod` for a divisor 1 <= d < 2**31: m = 2**32 * (2**l - d) // d + 1 with
+    l = ceil(log2 d), so that n // d = (umulhi(n, m) + n) >> l for every 0 <= n < 2**31. Packed as
+    m + 2**32 * (32 + l): bit 37 set keeps the value above int32, so Triton always passes it as int64."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor {d} outside [1, 2**31)")
+    shift = (d - 1).bit_length()
+    return (2**32 * (2**shift - d) // d + 1) + ((32 + shift) << 32)
+
+
+def _magic_args(**divisors: int) -> dict:
+    return {f"magic_{name}": magic(max(d, 1)) for name, d in divisors.items()}
+
+
 def _check_index_range(programs: int, rows: int) -> None:
     """The kernel's program and row indices are int32 (`rope._kernel._program`)."""
     if max(programs, rows) >= 2**31:
@@ -324,6 +338,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     args = dict(
         rows_per_program=rows_per_program, n_groups=n_groups, inner=inner, seq_len=layout.s, n_seqs=layout.n_seqs,
         freqs_len=angles.length, cp_size=cp_size, cp_rank=cp_rank, n_batch=layout.b,
+        **_magic_args(groups=n_groups, inner=inner, batch=layout.b),
         **{f"stride_{name}{role}": st for name, rs in zip(names, roles, strict=True)
            for role, st in zip("sbhd", rs, strict=True)},
         stride_fs=angles.stride_s, stride_fb=angles.stride_b, stride_fd=angles.stride_d, stride_fm=angles.stride_m,
@@ -553,7 +568,7 @@ def _cache_plan(q, k, v, key_cache, value_cache, slots, positions, cos, sin, row
     _check_index_range(t * chunks, hq + hk + block_r)
     n_blocks, block_size = key_cache.shape[:2]
     args = dict(
-        q_heads=hq, k_heads=hk, q_rows=hq, k_rows=hk, n_groups=t, inner=chunks,
+        q_heads=hq, k_heads=hk, q_rows=hq, k_rows=hk, n_groups=t, inner=chunks, **_magic_args(groups=t, inner=chunks),
         freqs_len=rows, n_slot_entries=slots.shape[0], n_cache_slots=n_blocks * block_size, block_size=block_size,
         **{f"stride_{name}{role}": st for name, x in (("q", q), ("k", k), ("v", v))
            for role, st in zip("shd", x.stride(), strict=True)},

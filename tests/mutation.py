@@ -64,7 +64,8 @@ PROPS = nodes("test_properties.py", "test_matches_float64_reference")
 KERNEL = nodes("test_core.py", "test_odd_sizes", "test_program_order_covers_every_row", "test_thd_table_programs",
                "test_empty", "test_output_strides_are_contiguous", "test_thd_many_sequences[table-4-(3, 2)-False]",
                "test_any_strides[interleaved-thd-sliced]", "test_any_strides[halfsplit-bshd-transposed]",
-               "test_long_context_angles[torch.bfloat16-thd]") + " " + \
+               "test_long_context_angles[torch.bfloat16-thd]", "test_program_index_division_kernel",
+               "test_program_index_division_constants") + " " + \
     nodes("test_properties.py", "test_every_output_element_is_written")
 API = nodes("test_core.py", "test_fused_false_is_reference", "test_signature_matches_transformer_engine",
             "test_freqs_dtype_upcast", "test_value_checks_off_never_reads_past_freqs",

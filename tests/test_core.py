@@ -9,9 +9,11 @@ import zlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import rope
-from rope import reference
+from rope import _kernel, reference
 
 from .cases import (  # noqa: F401
     DEVICE,
@@ -479,6 +481,57 @@ def test_index_range_is_checked():
     for programs, rows in [(2**31, 1), (1, 2**31)]:
         with pytest.raises(ValueError, match="at most 2147483647"):
             _launch._check_index_range(programs, rows)
+
+
+def _divisors():
+    big = [2**k + e for k in range(1, 31) for e in (-1, 0, 1) if 2**k + e < 2**31]
+    gen = torch.Generator().manual_seed(31)
+    return list(range(1, 300)) + big + torch.randint(1, 2**31 - 1, (200,), generator=gen).tolist()
+
+
+def test_program_index_division_constants():
+    """`_launch.magic`'s constants divide every int32 program index exactly (the kernel's `_divmod`, in Python):
+    the dividends at each end, at multiples of d and either side of them, and at random."""
+    from rope._launch import magic
+
+    gen = torch.Generator().manual_seed(32)
+    for d in _divisors():
+        packed = magic(d)
+        assert 2**31 <= packed < 2**63  # Triton passes it as int64 whatever d is
+        m, shift = packed % 2**32, (packed >> 32) % 32
+        top = (2**31 - 1) // d * d
+        for n in [0, 1, d - 1, d, d + 1, 2 * d - 1, top - 1, top, 2**31 - 1,
+                  *torch.randint(0, 2**31, (8,), generator=gen).tolist()]:
+            if 0 <= n < 2**31:
+                assert ((n * m >> 32) + n) >> shift == n // d, (n, d)
+    for d in (0, 2**31):
+        with pytest.raises(ValueError, match="divisor"):
+            magic(d)
+
+
+@triton.jit
+def _divide(n_ptr, q_ptr, r_ptr, d, m, N: tl.constexpr):
+    i = tl.arange(0, N)
+    q, r = _kernel._divmod(tl.load(n_ptr + i), d, m)
+    tl.store(q_ptr + i, q)
+    tl.store(r_ptr + i, r)
+
+
+def test_program_index_division_kernel():
+    """The kernel's `_divmod` on the device (or the interpreter) against Python's // and %: the unsigned
+    multiply-high, the shift taken from the packed constant and the remainder."""
+    from rope._launch import magic
+
+    gen = torch.Generator().manual_seed(33)
+    for d in [1, 2, 3, 7, 40, 64, 1000, 2**16 + 1, 2**30 + 3, 2**31 - 1]:
+        top = (2**31 - 1) // d * d
+        n = torch.tensor([0, 1, d - 1, d, top - 1, top, 2**31 - 1, *torch.randint(0, 2**31, (9,), generator=gen)],
+                         dtype=torch.int32).clamp(min=0)
+        q, r = torch.full_like(n, -7), torch.full_like(n, -7)
+        n, q, r = (t.to(DEVICE) for t in (n, q, r))
+        _divide[(1,)](n, q, r, d, magic(d), N=16)
+        ref = n.long().cpu()
+        assert torch.equal(q.long().cpu(), ref // d) and torch.equal(r.long().cpu(), ref % d), d
 
 
 @pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
