@@ -81,8 +81,8 @@ def _program(n_groups, inner, n_batch, magic_groups, magic_inner, magic_batch, G
     """(s index, b index, row chunk) of this program, in memory order. Index math is int32 (the launcher
     keeps programs and rows below 2**31); only offsets are 64-bit. Without SPLIT (one chunk per group) and
     GROUP_PER_BATCH nothing is divided. `magic_*`: the divisors' constants for `_divmod`."""
-    return _item(tl.program_id(0), n_groups, inner, n_batch, magic_groups, magic_inner, magic_batch, GROUP_PER_BATCH,
-                 SPLIT)
+    return _item(tl.program_id(0), n_groups, inner, n_batch, magic_groups, magic_inner, magic_batch,
+                 GROUP_PER_BATCH, SPLIT)
 
 
 @triton.jit
@@ -231,13 +231,12 @@ def _angles(freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs, stride
 
 @triton.jit
 def _group_of(item, n_groups, inner, magic_groups, magic_inner, magic_batch, n_batch, rows_per_program, q_rows,
-              k_rows, stride_qs, stride_qb, stride_qos,
-              stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH: tl.constexpr,
-              SPLIT: tl.constexpr):
+              k_rows, stride_qs, stride_qb, stride_qos, stride_qob, stride_ks, stride_kb, stride_kos, stride_kob,
+              GROUP_PER_BATCH: tl.constexpr, SPLIT: tl.constexpr):
     """Work item `item`'s group (s and b index), its rows [r_begin, r_end) and the group's offsets in q, q's output,
     k and k's output."""
-    s_idx, b_idx, chunk = _item(item, n_groups, inner, n_batch, magic_groups, magic_inner, magic_batch, GROUP_PER_BATCH,
-                                  SPLIT)
+    s_idx, b_idx, chunk = _item(item, n_groups, inner, n_batch, magic_groups, magic_inner, magic_batch,
+                                GROUP_PER_BATCH, SPLIT)
     r_begin = chunk * rows_per_program
     r_end = tl.minimum(r_begin + rows_per_program, q_rows + k_rows)
     return (s_idx, b_idx, r_begin, r_end, s_idx * stride_qs + b_idx * stride_qb,
@@ -437,8 +436,8 @@ def _tile_weights(wq_ptr, wk_ptr, in_q, r_ok, HEAD_DIM: tl.constexpr, ROT_DIM: t
 
 @triton.jit
 def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr,
-            part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups,
-            magic_inner, magic_batch,
+            part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+            magic_groups, magic_inner, magic_batch,
             seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
             stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
             stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
@@ -462,8 +461,8 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
         # before the position, the angles and the weights are found.
         s_idx, b_idx, r_begin, r_end, q_base, qo_base, k_base, ko_base = _group_of(
             pid, n_groups, inner, magic_groups, magic_inner, magic_batch, n_batch, rows_per_program, q_rows, k_rows,
-            stride_qs, stride_qb, stride_qos,
-            stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH, SPLIT)
+            stride_qs, stride_qb, stride_qos, stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH,
+            SPLIT)
         xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin,
                                            r_end, q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob,
                                            stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
@@ -497,8 +496,8 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
         for item in range(pid, n_items, n_progs):
             s_idx, b_idx, r_begin, r_end, q_base, qo_base, k_base, ko_base = _group_of(
                 item, n_groups, inner, magic_groups, magic_inner, magic_batch, n_batch, rows_per_program, q_rows,
-                k_rows, stride_qs, stride_qb, stride_qos,
-                stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH, SPLIT)
+                k_rows, stride_qs, stride_qb, stride_qos, stride_qob, stride_ks, stride_kb, stride_kos, stride_kob,
+                GROUP_PER_BATCH, SPLIT)
             sq_base, sk_base = s_idx * stride_sqs + b_idx * stride_sqb, s_idx * stride_sks + b_idx * stride_skb
             cos_a, cos_b, sin_a, sin_b = _group_angles(
                 s_idx, b_idx, freqs_ptr, sin_ptr, start_ptr, cu_ptr, seq_len, n_seqs, freqs_len, cp_size, cp_rank,
@@ -662,9 +661,8 @@ def _cache_store(xq, xk, in_q, r_ok, heads, xa, xb, tail, cos_a, cos_b, sin_a, s
 
 @triton.jit
 def _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-                 q_heads, k_heads, q_rows, k_rows, n_groups, inner, magic_groups, magic_inner, freqs_len,
-                 n_slot_entries, n_cache_slots,
-                 block_size,
+                 q_heads, k_heads, q_rows, k_rows, n_groups, inner, magic_groups, magic_inner,
+                 freqs_len, n_slot_entries, n_cache_slots, block_size,
                  stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
                  stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
                  stride_fs, stride_fd, stride_ps, stride_slot,
@@ -727,8 +725,8 @@ _CACHE_COUNTS = ["q_heads", "k_heads", "q_rows", "k_rows", "n_groups", "inner", 
 
 @triton.jit
 def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
-          q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups, magic_inner,
-          magic_batch,
+          q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+          magic_groups, magic_inner, magic_batch,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
           stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
@@ -744,8 +742,8 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
         tl.extra.cuda.gdc_wait()
     s_idx, b_idx, r_begin, r_end, q_base, qo_base, k_base, ko_base = _group_of(
         tl.program_id(0), n_groups, inner, magic_groups, magic_inner, magic_batch, n_batch, rows_per_program, q_rows,
-        k_rows, stride_qs, stride_qb, stride_qos,
-        stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH, SPLIT)
+        k_rows, stride_qs, stride_qb, stride_qos, stride_qob, stride_ks, stride_kb, stride_kos, stride_kob,
+        GROUP_PER_BATCH, SPLIT)
     out_ty = qo_ptr.dtype.element_ty
     # The first chunk is loaded before the angles: its loads are in flight while they are found.
     xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin, r_end,
@@ -787,8 +785,8 @@ def rope_kernel(
 ):
     """One tensor: x is q and k, and there are no k rows."""
     _rope(x_ptr, out_ptr, x_ptr, out_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
-          n_heads, n_heads, n_batch, rows_per_group, 0, rows_per_program, n_groups, inner, magic_groups, magic_inner,
-          magic_batch,
+          n_heads, n_heads, n_batch, rows_per_group, 0, rows_per_program, n_groups, inner,
+          magic_groups, magic_inner, magic_batch,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
@@ -801,8 +799,8 @@ def rope_kernel(
 @triton.jit(do_not_specialize=_QK_COUNTS)
 def rope_qk_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
-    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups, magic_inner,
-    magic_batch,
+    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+    magic_groups, magic_inner, magic_batch,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank,
     stride_qs, stride_qb, stride_qh, stride_qd,
     stride_qos, stride_qob, stride_qoh, stride_qod,
@@ -819,8 +817,8 @@ def rope_qk_kernel(
 ):
     """q and k of one layer in one launch: a group's rows are q's then k's, its angles found once for both."""
     _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
-          q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups, magic_inner,
-          magic_batch,
+          q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+          magic_groups, magic_inner, magic_batch,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
           stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
@@ -833,8 +831,8 @@ def rope_qk_kernel(
 @triton.jit(do_not_specialize=_NORM_COUNTS)
 def rope_qknorm_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr, part_ptr,
-    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups, magic_inner,
-    magic_batch,
+    q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+    magic_groups, magic_inner, magic_batch,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
     stride_qs, stride_qb, stride_qh, stride_qd,
     stride_qos, stride_qob, stride_qoh, stride_qod,
@@ -854,8 +852,8 @@ def rope_qknorm_kernel(
     """q and k of one layer normalised per head (RMSNorm with weights w_q, w_k) and rotated, in one launch; the
     backward gives their gradients and the programs' partial weight gradients (part)."""
     _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr,
-            part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner, magic_groups,
-            magic_inner, magic_batch,
+            part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
+            magic_groups, magic_inner, magic_batch,
             seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
             stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
             stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
@@ -881,9 +879,8 @@ def rope_cache_kernel(
     """q and k of each token rotated in place at positions[t] of the half cos/sin tables, the rotated k and the
     v stored at the token's slot of the caches (the KV-CACHE WRITE section above)."""
     _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, ks_ptr, vs_ptr,
-                 q_heads, k_heads, q_rows, k_rows, n_groups, inner, magic_groups, magic_inner, freqs_len,
-                 n_slot_entries, n_cache_slots,
-                 block_size,
+                 q_heads, k_heads, q_rows, k_rows, n_groups, inner, magic_groups, magic_inner,
+                 freqs_len, n_slot_entries, n_cache_slots, block_size,
                  stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
                  stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
                  stride_fs, stride_fd, stride_ps, stride_slot,
