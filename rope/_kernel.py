@@ -260,19 +260,24 @@ def _group_angles(s_idx, b_idx, freqs_ptr, sin_ptr, start_ptr, cu_ptr, seq_len, 
 
 
 @triton.jit
-def _row_offsets(x_base, o_base, rows, n_heads, stride_xb, stride_xh, stride_ob, stride_oh,
+def _row_offsets(x_base, o_base, rows, n_heads, magic_heads, stride_xb, stride_xh, stride_ob, stride_oh,
                  GROUP_PER_BATCH: tl.constexpr):
-    """Offsets of a group's `rows` (int32) in x and in out (rows are (b, h) pairs, or heads)."""
-    if GROUP_PER_BATCH:
-        return x_base + rows.to(tl.int64) * stride_xh, o_base + rows.to(tl.int64) * stride_oh
-    b_of_row = (rows // n_heads).to(tl.int64)
-    h_of_row = (rows % n_heads).to(tl.int64)
-    return (x_base + b_of_row * stride_xb + h_of_row * stride_xh,
-            o_base + b_of_row * stride_ob + h_of_row * stride_oh)
+    """Offsets of a group's `rows` (int32) in x and in out (rows are (b, h) pairs, or heads). A negative row (q's
+    rows seen from k's offsets in a tile of both) gives an offset that is never dereferenced."""
+    if GROUP_PER_BATCH:  # an else, not an early return: Triton compiles what follows a return in a static branch
+        x_row, o_row = x_base + rows.to(tl.int64) * stride_xh, o_base + rows.to(tl.int64) * stride_oh
+    else:
+        b_of_row, h_of_row = _divmod(rows, n_heads, magic_heads)
+        b_of_row = b_of_row.to(tl.int64)
+        h_of_row = h_of_row.to(tl.int64)
+        x_row = x_base + b_of_row * stride_xb + h_of_row * stride_xh
+        o_row = o_base + b_of_row * stride_ob + h_of_row * stride_oh
+    return x_row, o_row
 
 
 @triton.jit
 def _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0, r_end, q_rows, q_heads, k_heads,
+          magic_qheads, magic_kheads,
           stride_qb, stride_qh, stride_qob, stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
           GROUP_PER_BATCH: tl.constexpr, BLOCK_R: tl.constexpr, QK: tl.constexpr):
     """Row pointers of rows [r0, r0 + BLOCK_R) of a group, in q and k and in their outputs, which rows
@@ -280,12 +285,14 @@ def _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0, r_
     of both (the pointer not taken is never dereferenced); without, x is both q and k."""
     rows = r0 + tl.arange(0, BLOCK_R)
     in_q = rows < q_rows
-    q_row, qo_row = _row_offsets(q_base, qo_base, rows, q_heads, stride_qb, stride_qh, stride_qob, stride_qoh,
+    q_row, qo_row = _row_offsets(q_base, qo_base, rows, q_heads, magic_qheads, stride_qb, stride_qh, stride_qob,
+                                 stride_qoh,
                                  GROUP_PER_BATCH)
     if not QK:
         x_rp, o_rp, r_ok = q_ptr + q_row, qo_ptr + qo_row, rows < r_end
         return x_rp, x_rp, o_rp, o_rp, r_ok, r_ok
-    k_row, ko_row = _row_offsets(k_base, ko_base, rows - q_rows, k_heads, stride_kb, stride_kh, stride_kob,
+    k_row, ko_row = _row_offsets(k_base, ko_base, rows - q_rows, k_heads, magic_kheads, stride_kb, stride_kh,
+                                 stride_kob,
                                  stride_koh, GROUP_PER_BATCH)
     return q_ptr + q_row, k_ptr + k_row, qo_ptr + qo_row, ko_ptr + ko_row, in_q, rows < r_end
 
@@ -437,7 +444,7 @@ def _tile_weights(wq_ptr, wk_ptr, in_q, r_ok, HEAD_DIM: tl.constexpr, ROT_DIM: t
 @triton.jit
 def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr,
             part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
-            magic_groups, magic_inner, magic_batch,
+            magic_groups, magic_inner, magic_batch, magic_qheads, magic_kheads,
             seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
             stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
             stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
@@ -464,7 +471,8 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
             stride_qs, stride_qb, stride_qos, stride_qob, stride_ks, stride_kb, stride_kos, stride_kob, GROUP_PER_BATCH,
             SPLIT)
         xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin,
-                                           r_end, q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob,
+                                           r_end, q_rows, q_heads, k_heads, magic_qheads, magic_kheads, stride_qb,
+                                           stride_qh, stride_qob,
                                            stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
                                            GROUP_PER_BATCH, BLOCK_R, True)
         xa, xb, xt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
@@ -478,7 +486,8 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
                            BLOCK_TAIL, RNE_BF16, INPLACE, NORM)
         for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
             xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0,
-                                               r_end, q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob,
+                                               r_end, q_rows, q_heads, k_heads, magic_qheads, magic_kheads, stride_qb,
+                                               stride_qh, stride_qob,
                                                stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
                                                GROUP_PER_BATCH, BLOCK_R, True)
             xa, xb, xt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
@@ -506,13 +515,15 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
                 SEC0, SEC1, SEC2)
             for r0 in range(r_begin, r_end, BLOCK_R):
                 xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0,
-                                                   r_end, q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob,
+                                                   r_end, q_rows, q_heads, k_heads, magic_qheads, magic_kheads,
+                                                   stride_qb, stride_qh, stride_qob,
                                                    stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
                                                    GROUP_PER_BATCH, BLOCK_R, True)
                 ga, gb, gt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
                                         BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
                 sq, sk, _, _, _, _ = _rows(sq_ptr, sq_ptr, sk_ptr, sk_ptr, sq_base, sq_base, sk_base, sk_base, r0,
-                                           r_end, q_rows, q_heads, k_heads, stride_sqb, stride_sqh, stride_sqb,
+                                           r_end, q_rows, q_heads, k_heads, magic_qheads, magic_kheads, stride_sqb,
+                                           stride_sqh, stride_sqb,
                                            stride_sqh, stride_skb, stride_skh, stride_skb, stride_skh,
                                            GROUP_PER_BATCH, BLOCK_R, True)
                 xa, xb, xt = _load_head(sq, sk, in_q, r_ok, stride_sqd, stride_skd, HEAD_DIM, ROT_DIM, INTERLEAVED,
@@ -596,7 +607,7 @@ def _cache_load(q_ptr, k_ptr, v_ptr, q_base, k_base, v_base, r0, r_end, q_rows, 
     negative), the loaded channels a, b and tail, and v's row of each k row. v is loaded whether or not the token
     has a slot, so that no load waits for the slot."""
     xq, xk, _, _, in_q, r_ok = _rows(q_ptr, q_ptr, k_ptr, k_ptr, q_base, q_base, k_base, k_base, r0, r_end,
-                                     q_rows, q_heads, k_heads, 0, stride_qh, 0, stride_qh, 0, stride_kh, 0,
+                                     q_rows, q_heads, k_heads, 0, 0, 0, stride_qh, 0, stride_qh, 0, stride_kh, 0,
                                      stride_kh, True, BLOCK_R, True)
     xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
                                BLOCK_R, BLOCK_HALF, BLOCK_TAIL, False)
@@ -713,9 +724,9 @@ def _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr
 # Integer arguments that are counts, not strides: Triton would specialize each on == 1 and on
 # divisibility by 16, multiplying the compiled variants for no faster code; strides keep their
 # specialization, which proves 16-byte alignment.
-_MAGIC = ["magic_groups", "magic_inner", "magic_batch"]
+_MAGIC = ["magic_groups", "magic_inner", "magic_batch", "magic_qheads", "magic_kheads"]
 _COUNTS = ["n_heads", "n_batch", "rows_per_group", "rows_per_program", "n_groups", "inner", "seq_len", "n_seqs",
-           "freqs_len", "cp_rank", "stride_fb"] + _MAGIC
+           "freqs_len", "cp_rank", "stride_fb", "magic_groups", "magic_inner", "magic_batch", "magic_heads"]
 _QK_COUNTS = ["q_heads", "k_heads", "n_batch", "q_rows", "k_rows", "rows_per_program", "n_groups", "inner", "seq_len",
               "n_seqs", "freqs_len", "cp_rank", "stride_fb"] + _MAGIC
 _NORM_COUNTS = _QK_COUNTS + ["n_items", "n_progs"]
@@ -726,7 +737,7 @@ _CACHE_COUNTS = ["q_heads", "k_heads", "q_rows", "k_rows", "n_groups", "inner", 
 @triton.jit
 def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
           q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
-          magic_groups, magic_inner, magic_batch,
+          magic_groups, magic_inner, magic_batch, magic_qheads, magic_kheads,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
           stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
@@ -747,7 +758,8 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
     out_ty = qo_ptr.dtype.element_ty
     # The first chunk is loaded before the angles: its loads are in flight while they are found.
     xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin, r_end,
-                                       q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob, stride_qoh,
+                                       q_rows, q_heads, k_heads, magic_qheads, magic_kheads, stride_qb, stride_qh,
+                                       stride_qob, stride_qoh,
                                        stride_kb, stride_kh, stride_kob, stride_koh, GROUP_PER_BATCH, BLOCK_R, QK)
     xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
                                BLOCK_HALF, BLOCK_TAIL, INPLACE)
@@ -759,7 +771,8 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
                  HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, RNE_BF16, INPLACE)
     for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
         xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0, r_end,
-                                           q_rows, q_heads, k_heads, stride_qb, stride_qh, stride_qob, stride_qoh,
+                                           q_rows, q_heads, k_heads, magic_qheads, magic_kheads, stride_qb, stride_qh,
+                                           stride_qob, stride_qoh,
                                            stride_kb, stride_kh, stride_kob, stride_koh, GROUP_PER_BATCH, BLOCK_R, QK)
         xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
                                    BLOCK_R, BLOCK_HALF, BLOCK_TAIL, INPLACE)
@@ -771,6 +784,7 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
 def rope_kernel(
     x_ptr, out_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
     n_heads, n_batch, rows_per_group, rows_per_program, n_groups, inner, magic_groups, magic_inner, magic_batch,
+    magic_heads,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank,
     stride_xs, stride_xb, stride_xh, stride_xd,
     stride_os, stride_ob, stride_oh, stride_od,
@@ -786,7 +800,7 @@ def rope_kernel(
     """One tensor: x is q and k, and there are no k rows."""
     _rope(x_ptr, out_ptr, x_ptr, out_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
           n_heads, n_heads, n_batch, rows_per_group, 0, rows_per_program, n_groups, inner,
-          magic_groups, magic_inner, magic_batch,
+          magic_groups, magic_inner, magic_batch, magic_heads, magic_heads,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
           stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
@@ -800,7 +814,7 @@ def rope_kernel(
 def rope_qk_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
     q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
-    magic_groups, magic_inner, magic_batch,
+    magic_groups, magic_inner, magic_batch, magic_qheads, magic_kheads,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank,
     stride_qs, stride_qb, stride_qh, stride_qd,
     stride_qos, stride_qob, stride_qoh, stride_qod,
@@ -818,7 +832,7 @@ def rope_qk_kernel(
     """q and k of one layer in one launch: a group's rows are q's then k's, its angles found once for both."""
     _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
           q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
-          magic_groups, magic_inner, magic_batch,
+          magic_groups, magic_inner, magic_batch, magic_qheads, magic_kheads,
           seq_len, n_seqs, freqs_len, cp_size, cp_rank,
           stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
           stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
@@ -832,7 +846,7 @@ def rope_qk_kernel(
 def rope_qknorm_kernel(
     q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr, part_ptr,
     q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
-    magic_groups, magic_inner, magic_batch,
+    magic_groups, magic_inner, magic_batch, magic_qheads, magic_kheads,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
     stride_qs, stride_qb, stride_qh, stride_qd,
     stride_qos, stride_qob, stride_qoh, stride_qod,
@@ -853,7 +867,7 @@ def rope_qknorm_kernel(
     backward gives their gradients and the programs' partial weight gradients (part)."""
     _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr, wq_ptr, wk_ptr, sq_ptr, sk_ptr,
             part_ptr, q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
-            magic_groups, magic_inner, magic_batch,
+            magic_groups, magic_inner, magic_batch, magic_qheads, magic_kheads,
             seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
             stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
             stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,

@@ -352,9 +352,10 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         SEC2=angles.streams[3],
     )
     if k is None:
-        args.update(n_heads=layout.h, rows_per_group=q_rows)
+        args.update(n_heads=layout.h, rows_per_group=q_rows, magic_heads=magic(max(layout.h, 1)))
     else:
-        args.update(q_heads=layout.h, k_heads=k.shape[-2], q_rows=q_rows, k_rows=k_rows)
+        args.update(q_heads=layout.h, k_heads=k.shape[-2], q_rows=q_rows, k_rows=k_rows,
+                    **_magic_args(qheads=layout.h, kheads=k.shape[-2]))
     dense = tuple(_dense(t, tensor_format) for t in tensors)
     pdl = PDL and x.is_cuda and not norm
     if not norm:
