@@ -286,14 +286,12 @@ def _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0, r_
     rows = r0 + tl.arange(0, BLOCK_R)
     in_q = rows < q_rows
     q_row, qo_row = _row_offsets(q_base, qo_base, rows, q_heads, magic_qheads, stride_qb, stride_qh, stride_qob,
-                                 stride_qoh,
-                                 GROUP_PER_BATCH)
+                                 stride_qoh, GROUP_PER_BATCH)
     if not QK:
         x_rp, o_rp, r_ok = q_ptr + q_row, qo_ptr + qo_row, rows < r_end
         return x_rp, x_rp, o_rp, o_rp, r_ok, r_ok
     k_row, ko_row = _row_offsets(k_base, ko_base, rows - q_rows, k_heads, magic_kheads, stride_kb, stride_kh,
-                                 stride_kob,
-                                 stride_koh, GROUP_PER_BATCH)
+                                 stride_kob, stride_koh, GROUP_PER_BATCH)
     return q_ptr + q_row, k_ptr + k_row, qo_ptr + qo_row, ko_ptr + ko_row, in_q, rows < r_end
 
 
@@ -472,9 +470,8 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
             SPLIT)
         xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin,
                                            r_end, q_rows, q_heads, k_heads, magic_qheads, magic_kheads, stride_qb,
-                                           stride_qh, stride_qob,
-                                           stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
-                                           GROUP_PER_BATCH, BLOCK_R, True)
+                                           stride_qh, stride_qob, stride_qoh, stride_kb, stride_kh, stride_kob,
+                                           stride_koh, GROUP_PER_BATCH, BLOCK_R, True)
         xa, xb, xt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
                                 BLOCK_HALF, BLOCK_TAIL)
         cos_a, cos_b, sin_a, sin_b = _group_angles(
@@ -487,9 +484,8 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
         for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
             xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0,
                                                r_end, q_rows, q_heads, k_heads, magic_qheads, magic_kheads, stride_qb,
-                                               stride_qh, stride_qob,
-                                               stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
-                                               GROUP_PER_BATCH, BLOCK_R, True)
+                                               stride_qh, stride_qob, stride_qoh, stride_kb, stride_kh, stride_kob,
+                                               stride_koh, GROUP_PER_BATCH, BLOCK_R, True)
             xa, xb, xt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
                                     BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
             _norm_rotate_store(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, xt, cos_a, cos_b, sin_a, sin_b,
@@ -516,16 +512,14 @@ def _qknorm(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
             for r0 in range(r_begin, r_end, BLOCK_R):
                 xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0,
                                                    r_end, q_rows, q_heads, k_heads, magic_qheads, magic_kheads,
-                                                   stride_qb, stride_qh, stride_qob,
-                                                   stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
-                                                   GROUP_PER_BATCH, BLOCK_R, True)
+                                                   stride_qb, stride_qh, stride_qob, stride_qoh, stride_kb, stride_kh,
+                                                   stride_kob, stride_koh, GROUP_PER_BATCH, BLOCK_R, True)
                 ga, gb, gt = _load_head(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
                                         BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
                 sq, sk, _, _, _, _ = _rows(sq_ptr, sq_ptr, sk_ptr, sk_ptr, sq_base, sq_base, sk_base, sk_base, r0,
                                            r_end, q_rows, q_heads, k_heads, magic_qheads, magic_kheads, stride_sqb,
-                                           stride_sqh, stride_sqb,
-                                           stride_sqh, stride_skb, stride_skh, stride_skb, stride_skh,
-                                           GROUP_PER_BATCH, BLOCK_R, True)
+                                           stride_sqh, stride_sqb, stride_sqh, stride_skb, stride_skh, stride_skb,
+                                           stride_skh, GROUP_PER_BATCH, BLOCK_R, True)
                 xa, xb, xt = _load_head(sq, sk, in_q, r_ok, stride_sqd, stride_skd, HEAD_DIM, ROT_DIM, INTERLEAVED,
                                         BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
                 r = _inv_rms(xa, xb, xt, eps, HEAD_DIM)
@@ -606,9 +600,9 @@ def _cache_load(q_ptr, k_ptr, v_ptr, q_base, k_base, v_base, r0, r_end, q_rows, 
     """Rows [r0, r0 + BLOCK_R) of a token: their q/k pointers, which are q's and exist, each row's k head (q rows:
     negative), the loaded channels a, b and tail, and v's row of each k row. v is loaded whether or not the token
     has a slot, so that no load waits for the slot."""
-    xq, xk, _, _, in_q, r_ok = _rows(q_ptr, q_ptr, k_ptr, k_ptr, q_base, q_base, k_base, k_base, r0, r_end,
-                                     q_rows, q_heads, k_heads, 0, 0, 0, stride_qh, 0, stride_qh, 0, stride_kh, 0,
-                                     stride_kh, True, BLOCK_R, True)
+    xq, xk, _, _, in_q, r_ok = _rows(q_ptr, q_ptr, k_ptr, k_ptr, q_base, q_base, k_base, k_base, r0, r_end, q_rows,
+                                     q_heads, k_heads, 0, 0, 0, stride_qh, 0, stride_qh, 0, stride_kh, 0, stride_kh,
+                                     True, BLOCK_R, True)
     xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
                                BLOCK_R, BLOCK_HALF, BLOCK_TAIL, False)
     heads = (r0 + tl.arange(0, BLOCK_R) - q_rows).to(tl.int64)
@@ -759,8 +753,8 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
     # The first chunk is loaded before the angles: its loads are in flight while they are found.
     xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r_begin, r_end,
                                        q_rows, q_heads, k_heads, magic_qheads, magic_kheads, stride_qb, stride_qh,
-                                       stride_qob, stride_qoh,
-                                       stride_kb, stride_kh, stride_kob, stride_koh, GROUP_PER_BATCH, BLOCK_R, QK)
+                                       stride_qob, stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
+                                       GROUP_PER_BATCH, BLOCK_R, QK)
     xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED, BLOCK_R,
                                BLOCK_HALF, BLOCK_TAIL, INPLACE)
     cos_a, cos_b, sin_a, sin_b = _group_angles(
@@ -772,8 +766,8 @@ def _rope(q_ptr, qo_ptr, k_ptr, ko_ptr, freqs_ptr, sin_ptr, start_ptr, cu_ptr,
     for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
         xq, xk, oq, ok, in_q, r_ok = _rows(q_ptr, qo_ptr, k_ptr, ko_ptr, q_base, qo_base, k_base, ko_base, r0, r_end,
                                            q_rows, q_heads, k_heads, magic_qheads, magic_kheads, stride_qb, stride_qh,
-                                           stride_qob, stride_qoh,
-                                           stride_kb, stride_kh, stride_kob, stride_koh, GROUP_PER_BATCH, BLOCK_R, QK)
+                                           stride_qob, stride_qoh, stride_kb, stride_kh, stride_kob, stride_koh,
+                                           GROUP_PER_BATCH, BLOCK_R, QK)
         xa, xb, tail = _load_chunk(xq, xk, in_q, r_ok, stride_qd, stride_kd, HEAD_DIM, ROT_DIM, INTERLEAVED,
                                    BLOCK_R, BLOCK_HALF, BLOCK_TAIL, INPLACE)
         _store_chunk(oq, ok, in_q, r_ok, stride_qod, stride_kod, xa, xb, tail, cos_a, cos_b, sin_a, sin_b, out_ty,
