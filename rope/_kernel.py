@@ -678,7 +678,8 @@ def _cache_write(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, cos_ptr
     v rows stored. As in _rope, the tile and its v rows are loaded before the slot, the position and the angles
     are found: at decode the program's time is these loads' latency, which would otherwise come one after
     another. One tile per program keeps no angles live across tiles, hence fewer registers."""
-    s_idx, b_idx, chunk = _program(n_groups, inner, 1, magic_groups, magic_inner, magic_inner, False, SPLIT)
+    # a group is one token: no batch index, so neither n_batch nor its constant is used
+    s_idx, b_idx, chunk = _program(n_groups, inner, 1, magic_groups, magic_inner, 0, False, SPLIT)
     r_begin = chunk * BLOCK_R
     r_end = tl.minimum(r_begin + BLOCK_R, q_rows + k_rows)
     q_base = s_idx * stride_qs

@@ -264,6 +264,7 @@ def magic(d: int) -> int:
 
 
 def _magic_args(**divisors: int) -> dict:
+    """Kernel arguments magic_<name> for each divisor (a count of an empty tensor's dims may be 0: never divided)."""
     return {f"magic_{name}": magic(max(d, 1)) for name, d in divisors.items()}
 
 
@@ -352,7 +353,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         SEC2=angles.streams[3],
     )
     if k is None:
-        args.update(n_heads=layout.h, rows_per_group=q_rows, magic_heads=magic(max(layout.h, 1)))
+        args.update(n_heads=layout.h, rows_per_group=q_rows, **_magic_args(heads=layout.h))
     else:
         args.update(q_heads=layout.h, k_heads=k.shape[-2], q_rows=q_rows, k_rows=k_rows,
                     **_magic_args(qheads=layout.h, kheads=k.shape[-2]))

@@ -59,7 +59,8 @@ def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=Fa
         elif name == "eps":
             signature[name] = "fp32"
         else:
-            signature[name] = "i64" if name.startswith("stride") else "i32"
+            # divisor constants are int64 whatever their value (`rope._launch.magic`), as Triton passes them
+            signature[name] = "i64" if name.startswith(("stride", "magic")) else "i32"
             if name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
