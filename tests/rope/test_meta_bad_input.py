@@ -17,8 +17,6 @@ import rope.torchtitan
 
 from .cases import DEVICE, reference_path
 
-pytestmark = pytest.mark.ours_only
-
 B, S, HQ, HK, D, T, ROWS = 2, 3, 3, 1, 6, 4, 6
 
 

@@ -12,9 +12,8 @@ import torch
 import rope
 import rope._apply
 
-from .cases import DEVICE, poison_outputs, reference_path  # noqa: F401
+from .cases import DEVICE, angles_table, oracle, oracle_grad, per_pair, poison_outputs, randn, reference_path  # noqa: F401
 from .numerics import assert_within_rounding
-from .test_conventions import angles_table, oracle, oracle_grad, per_pair, randn
 
 
 @contextlib.contextmanager

@@ -142,7 +142,7 @@ def test_explicit_oracle_is_sensitive():
 @scaled_examples(2)
 @given(spec=rope_specs(values=("normal",), lim=SMALL))
 def test_accuracy_rule_accepts_one_rounding_and_rejects_more(spec):
-    """The rule in tests/numerics.py is neither vacuous nor loose: the float64 result rounded once
+    """The rule in tests/rope/numerics.py is neither vacuous nor loose: the float64 result rounded once
     to the dtype passes, and a larger error fails where a term does not cancel (|ref| >= 1/4 of
     the pair's magnitude s): two units in the last place for bf16 (its eps, 2^-8, is one unit of
     roundoff), three for fp16 (its eps, 2^-10, is two units of roundoff, so two ulps may pass at

@@ -429,7 +429,7 @@ def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomp
 ], ids=str)
 def test_thd_many_sequences(fanout, cp, start, angle_source, monkeypatch, poison_outputs):  # noqa: F811
     # angle_source: with tables on, calls without start_positions read each token's position from
-    # its table (tests/test_position_table.py); with them off every call searches cu_seqlens.
+    # its table (tests/rope/test_position_table.py); with them off every call searches cu_seqlens.
     from rope import _launch, _memo, _validate
 
     if fanout is not None:

@@ -16,8 +16,6 @@ from rope import reference
 from .cases import DEVICE, angle_source, make_freqs, make_t, needs_angle_source, poison_outputs, reference_path  # noqa: F401
 from .numerics import assert_within_rounding
 
-pytestmark = pytest.mark.ours_only
-
 S, B, D = 6, 2, 32
 HEADS = [(4, 1), (4, 2), (2, 4), (3, 3)]  # MQA, GQA, more kv heads than q heads, MHA
 

@@ -3,7 +3,7 @@
 Each test spawns cp_size processes that form one process group: NCCL with one GPU per rank where
 the machine has cp_size GPUs, gloo otherwise (CPU tensors and Triton's interpreter in CI). Every
 rank builds the same global inputs from a fixed seed, takes its dual-chunk shard of every sequence
-(tests/cp_shard.py), runs `apply_rotary_pos_emb(..., cp_size, cp_rank)` (with the same global
+(tests/rope/cp_shard.py), runs `apply_rotary_pos_emb(..., cp_size, cp_rank)` (with the same global
 `start_positions` on every rank in some cases) forward and backward with
 the matching shard of the upstream gradient, and all_gathers inputs, outputs and input gradients.
 Rank 0 puts them back in global order and compares with the unsharded call: bitwise (the same
@@ -11,7 +11,7 @@ kernel computes the same float32 expression from the same angle for every token)
 rounding of the float64 reference.
 
 On a machine with two or more GPUs:
-    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m pytest tests/test_context_parallel_dist.py
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m pytest tests/rope/test_context_parallel_dist.py
 """
 from __future__ import annotations
 
@@ -60,11 +60,11 @@ def test_dual_chunk_layout_thd():
 # ---- the process group -----------------------------------------------------------------------------
 
 
-def _run_group(cp, backend, tmp_path, impl_spec):
+def _run_group(cp, backend, tmp_path):
     """Spawn the ranks, wait (bounded), and return each rank's result; a crash or hang fails here."""
     ctx = mp.get_context("spawn")  # a fresh interpreter per rank: no forked CUDA or Triton state
-    procs = [ctx.Process(target=worker, args=(rank, cp, backend, str(tmp_path / "pg_init"), str(tmp_path),
-                                              impl_spec, TIMEOUT_S), daemon=True)
+    procs = [ctx.Process(target=worker, args=(rank, cp, backend, str(tmp_path / "pg_init"), str(tmp_path), TIMEOUT_S),
+                         daemon=True)
              for rank in range(cp)]
     for p in procs:
         p.start()
@@ -108,13 +108,13 @@ def _run_group(cp, backend, tmp_path, impl_spec):
 
 
 @pytest.mark.parametrize("cp", [2, 3])
-def test_context_parallel_matches_unsharded(cp, tmp_path, target, monkeypatch):
+def test_context_parallel_matches_unsharded(cp, tmp_path, monkeypatch):
     """Sharded over a real process group, rotated per rank, gathered: equal to the unsharded call."""
     backend = _backend(cp)
     if backend == "nccl":  # children inherit the environment; the worker sets them again itself
         monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
         monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    results = _run_group(cp, backend, tmp_path, target.name)
+    results = _run_group(cp, backend, tmp_path)
     on_cuda = torch.cuda.is_available()
     want = [c.name for c in CASES[cp] if on_cuda or not c.cuda_only]
     for res in results:  # every rank went through every case: none was skipped

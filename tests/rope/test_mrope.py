@@ -1,13 +1,11 @@
 """Multimodal RoPE (docs/contract.md section 7b): three position streams, each read by a section of the pairs.
 
-Two kinds of tests:
-- `test_mrope_*` take the implementation under test (`--rope-impl`; its canonical mRoPE call is
-  `rope.mrope.apply_multimodal_rotary_pos_emb`'s signature, tests/adapters maps it onto other conventions)
-  and check it against a float64 oracle written here from the definition, forward and backward with a random
-  upstream gradient, plus the invariants: three equal streams are plain RoPE, permuting the streams with
-  their sections (and the pairs they cover) changes nothing, norms are kept, the inverse rotation restores.
-- `test_entry_*` check rope's own entry points against the definitions of transformers and vLLM, and that
-  they agree with each other and with the plain conventions bitwise where they compute the same thing.
+rope's entry points beyond the native suite (tests/conformance: conventions mrope, hf-mrope, qwen3vl-mrope,
+vllm-mrope certify each against its float64 definition, with equal streams and the inverse among the invariants):
+- `test_mrope_*`: `rope.mrope.apply_multimodal_rotary_pos_emb` relabelled (streams permuted with their sections and
+  the pairs they cover change nothing) and as a rotation (pair norms kept, the negated angles restore t).
+- `test_entry_*`: rope's entry points against the definitions of transformers and vLLM, and their agreement with
+  each other and with the plain conventions bitwise where they compute the same thing.
 Outputs are poisoned with NaN (every element must be written) and inputs must come back unchanged.
 """
 from __future__ import annotations
@@ -19,27 +17,13 @@ from hypothesis import strategies as st
 
 import rope
 
-from .cases import DEVICE, poison_outputs  # noqa: F401
+from .cases import DEVICE, head_dim, oracle, oracle_grad, poison_outputs, randn, rotary_width  # noqa: F401
 from .numerics import assert_within_rounding
 from .strategies import scaled_examples
-from .test_conventions import head_dim, oracle, oracle_grad, randn, rotary_width
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FORMATS = ("thd", "sbhd", "bshd")
 
-
-@pytest.fixture(scope="session")
-def mrope(target):
-    """The target's mRoPE call (rope.mrope's signature), or a skip for implementations without one."""
-    fn = getattr(target, "mrope", None)
-    if fn is None:
-        pytest.skip(f"{target.name} has no multimodal RoPE")
-    return fn
-
-
-def has_backward(target) -> bool:
-    caps = getattr(target, "mrope_caps", None)
-    return caps is None or bool(caps.backward)
 
 
 # ---------------------------------------------------------------------------------------------- the definition
@@ -58,17 +42,6 @@ def stream_of_pair(sections, pairs, mrope_interleaved):
     for m, offset in ((1, 1), (2, 2)):
         out[slice(offset, sections[m] * 3, 3)] = m
     return out
-
-
-def channel_tables(f, positions, sections, interleaved, mrope_interleaved):
-    """Per-channel float64 cos/sin [*lead, d2] for angles f [s2, d2] and positions [3, *lead]."""
-    d2 = f.shape[-1]
-    per_stream = f.double()[positions.long()]  # [3, *lead, d2]
-    stream = stream_of_pair(sections, d2 // 2, mrope_interleaved).to(f.device)
-    pair = torch.arange(d2, device=f.device)
-    pair = pair // 2 if interleaved else pair % (d2 // 2)
-    chosen = torch.gather(per_stream, 0, stream[pair].expand(1, *per_stream.shape[1:]))[0]
-    return chosen.cos(), chosen.sin()
 
 
 @st.composite
@@ -119,56 +92,13 @@ def three(positions, lead_dims):
     return positions if positions.dim() == lead_dims + 1 else positions.expand(3, *positions.shape)
 
 
-# ---------------------------------------------------------------------------------------------- any implementation
+# ---------------------------------------------------------------------------------------------- rope.mrope
 
-@scaled_examples(0.5)
-@given(data=st.data())
-def test_mrope_matches_oracle(mrope, target, data):
-    with rope._launch.nan_outputs():
-        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
-        t, freqs, positions, sections, kw = draw_case(data, gen)
-        t0, f0, p0 = t.clone(), freqs.clone(), positions.clone()
-        tg = t.clone().requires_grad_()
-        out = mrope(tg, freqs, positions, sections, **kw)
-        cos, sin = channel_tables(freqs[:, 0, 0], three(positions, t.dim() - 2), sections, kw["interleaved"],
-                                  kw["mrope_interleaved"])
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        d2 = freqs.shape[-1]
-        assert out.dtype == t.dtype
-        assert_within_rounding(out, oracle(t, cos, sin, kw["interleaved"]), t, d2, kw["interleaved"], "forward")
-        if has_backward(target):
-            g = randn(t.shape, t.dtype, gen)
-            g0 = g.clone()
-            out.backward(g)
-            assert torch.equal(g, g0), "the upstream gradient changed"
-            assert_within_rounding(tg.grad, oracle_grad(g, cos, sin, kw["interleaved"]), g, d2, kw["interleaved"],
-                                   "backward")
-        for x, x0, name in ((t, t0, "t"), (freqs, f0, "freqs"), (positions, p0, "positions")):
-            assert torch.equal(x, x0), f"{name} changed"
-
+mrope = rope.mrope.apply_multimodal_rotary_pos_emb
 
 @scaled_examples(0.3)
 @given(data=st.data())
-def test_mrope_equal_streams_are_plain_rope(mrope, data):
-    """Three equal streams: every pair reads the same position, whatever the sections, which is plain RoPE at
-    those positions (TransformerEngine's call on the angles gathered by position, thd with one sequence)."""
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
-    t, freqs, positions, sections, kw = draw_case(data, gen, dtypes=(torch.float32,))
-    one = positions if positions.dim() == t.dim() - 2 else positions[0]
-    out = mrope(t, freqs, one.expand(3, *one.shape), sections, **kw)
-    lead = t.shape[:-2]
-    flat_t = t.reshape(-1, *t.shape[-2:])
-    gathered = freqs[one.reshape(-1).long()]  # row j: the angles of token j's position
-    cu = torch.tensor([0, flat_t.shape[0]], dtype=torch.int32, device=DEVICE)
-    plain = rope.reference.apply_rotary_pos_emb(flat_t, gathered, "thd", interleaved=kw["interleaved"],
-                                                cu_seqlens=cu)
-    # two float32 evaluations of one map: each within 2^-20 of the exact value relative to |x| (numerics.py)
-    torch.testing.assert_close(out, plain.reshape(*lead, *t.shape[-2:]), rtol=2**-19, atol=2**-19)
-
-
-@scaled_examples(0.3)
-@given(data=st.data())
-def test_mrope_permuting_streams_with_sections(mrope, data):
+def test_mrope_permuting_streams_with_sections(data):
     """Relabelling: streams in another order, each keeping its section size, with the rotary pairs (and their
     angles) moved block by block to where their section now lies, give the same result moved the same way."""
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
@@ -194,7 +124,7 @@ def test_mrope_permuting_streams_with_sections(mrope, data):
 
 @scaled_examples(0.3)
 @given(data=st.data())
-def test_mrope_keeps_norms_and_inverts(mrope, data):
+def test_mrope_keeps_norms_and_inverts(data):
     """A rotation keeps the norm of each pair; rotating back by the negated angles restores t."""
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
     t, freqs, positions, sections, kw = draw_case(data, gen, dtypes=(torch.float32,), rotation=True)
@@ -237,7 +167,6 @@ def qwen3_vl_tables(freqs3, sections):
     return emb.cos(), emb.sin()
 
 
-@pytest.mark.ours_only
 @scaled_examples(0.5)
 @given(data=st.data())
 def test_entry_hf_matches_transformers(data):
@@ -308,7 +237,6 @@ def vllm_definition(positions, x, heads, head_size, cache, sections, is_neox, mr
     return torch.cat((out, x[..., rot:]), dim=-1)
 
 
-@pytest.mark.ours_only
 @scaled_examples(0.5)
 @given(data=st.data())
 def test_entry_vllm_matches_vllm(data):
@@ -348,7 +276,6 @@ def test_entry_vllm_matches_vllm(data):
     assert torch.equal(qkv[:, (hq + hk) * head_size:], before[:, (hq + hk) * head_size:]), "v changed"
 
 
-@pytest.mark.ours_only
 @pytest.mark.parametrize("tensor_format", FORMATS)
 def test_entry_qk_and_cache_agree_bitwise(tensor_format, poison_outputs):  # noqa: F811
     """q and k in one launch give the two single calls' results bitwise, with `freqs` and with a RoPECache of
@@ -376,7 +303,6 @@ def test_entry_qk_and_cache_agree_bitwise(tensor_format, poison_outputs):  # noq
             assert_within_rounding(grad, t64.grad, g, d2, False, "backward")
 
 
-@pytest.mark.ours_only
 def test_entry_equal_streams_match_plain_conventions_bitwise(poison_outputs):  # noqa: F811
     """Three equal streams through each entry point give the plain convention's result bitwise."""
     gen = torch.Generator().manual_seed(4)

@@ -27,8 +27,6 @@ import rope.functional
 
 from .cases import DEVICE, reference_path
 
-pytestmark = pytest.mark.ours_only
-
 S, B, H, D, T, ROWS = 4, 2, 2, 8, 5, 8  # sequence, batch, heads, head dim, tokens, table rows
 MAX_EXAMPLES = 12  # per entry point: the CPU interpreter runs two paths per example
 

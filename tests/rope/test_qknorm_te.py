@@ -15,8 +15,6 @@ from tests.conformance.spec import qknorm_math
 
 from .cases import DEVICE, cu_seqlens_of, reference_path
 
-pytestmark = pytest.mark.ours_only
-
 D, ROT, EPS = 10, 6, 1e-6
 
 

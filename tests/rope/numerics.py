@@ -17,8 +17,6 @@ copies and must match bitwise.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from tests.conformance.pairing import partner_and_sign
@@ -67,8 +65,6 @@ def assert_within_rounding(out: torch.Tensor, ref64: torch.Tensor, x: torch.Tens
 # Write r = R x for the exact map (float64 on the rounded inputs) and s_i = |x_i| + |x_pi(i)|.
 # The rule says |out_i - r_i| <= EPS |r_i| + F32_EVAL s_i. Since |cos|, |sin| <= 1, |r_i| <= s_i, so
 # without knowing r:   |out_i - r_i| <= U s_i,   U = EPS(dtype) + F32_EVAL       (*)
-# and for a rotated pair p = (i, pi(i)), whose two elements share s_p:
-#                      ||out_p - r_p|| <= sqrt(2) U s_p                          (**)
 # Pass-through channels are copies: exact. Sums of products are formed in float64; FSUM bounds
 # their relative rounding per term (n * 2^-53 for n terms, taken with margin).
 #
@@ -77,7 +73,6 @@ def assert_within_rounding(out: torch.Tensor, ref64: torch.Tensor, x: torch.Tens
 # term covers. The bounds below add ETA per rounding (it changes nothing away from that range);
 # with N(0, 1) fp16 data about one element in 10^7 needs it.
 # ----------------------------------------------------------------------------------------------
-
 
 
 def unit_error(dtype: torch.dtype) -> float:
@@ -112,49 +107,6 @@ def assert_agree_within_rounding(a: torch.Tensor, b: torch.Tensor, x: torch.Tens
     if bad.any():
         _fail(what, bad, a64, b64, bound)
     assert torch.equal(a[..., rot_dim:], b[..., rot_dim:]), f"{what}: pass-through channels differ"
-
-
-def pair_norms(x: torch.Tensor, rot_dim: int, interleaved: bool) -> torch.Tensor:
-    """||(x_i, x_pi(i))|| for the first element i of every pair, float64, [..., rot_dim / 2]."""
-    x = x.detach().double()[..., :rot_dim]
-    partner, sign = partner_and_sign(rot_dim, interleaved)
-    partner, sign = partner.to(x.device), sign.to(x.device)
-    first = sign < 0
-    return torch.sqrt(x[..., first] ** 2 + x[..., partner[first]] ** 2)
-
-
-def pair_scale(x: torch.Tensor, rot_dim: int, interleaved: bool) -> torch.Tensor:
-    """s_p = |x_i| + |x_pi(i)| per pair, laid out as `pair_norms`."""
-    x = x.detach().double()[..., :rot_dim].abs()
-    partner, sign = partner_and_sign(rot_dim, interleaved)
-    partner, sign = partner.to(x.device), sign.to(x.device)
-    first = sign < 0
-    return x[..., first] + x[..., partner[first]]
-
-
-def assert_pair_norms_preserved(out, x, rot_dim, interleaved, what="pair norms"):
-    """A rotation keeps ||x_p||: by (**), | ||out_p|| - ||x_p|| | <= sqrt(2) (U s_p + ETA)."""
-    got, want = pair_norms(out, rot_dim, interleaved), pair_norms(x, rot_dim, interleaved)
-    s = pair_scale(x, rot_dim, interleaved)
-    bound = math.sqrt(2) * (unit_error(out.dtype) * s + ETA[out.dtype]) + fsum_slack(2) * s
-    bad = ~((got - want).abs() <= bound)
-    if bad.any():
-        _fail(what, bad, got, want, bound)
-
-
-def assert_round_trip(z, x, rot_dim, interleaved, what="round trip"):
-    """z = rope(rope(x, theta), -theta), both rounded: z_i - x_i is the second call's error, at most
-    U s_i(y), plus the first call's pair error rotated back, at most sqrt(2) U s_p(x) by (**). As
-    s(y) <= sqrt(2) ||y_p|| <= sqrt(2) (1 + sqrt(2) U) s_p(x), the sum is at most
-    2 sqrt(2) U (1 + U) s(x) <= 3 U s(x); with underflow, 3 ETA more. Pass-through channels must
-    come back bitwise."""
-    s = partner_scale(x, rot_dim, interleaved)
-    bound = 3 * (unit_error(z.dtype) * s + ETA[z.dtype])
-    z64, x64 = z.detach().double(), x.detach().double()
-    bad = ~((z64 - x64).abs() <= bound)
-    if bad.any():
-        _fail(what, bad, z64, x64, bound)
-    assert torch.equal(z[..., rot_dim:], x[..., rot_dim:].to(z.dtype)), f"{what}: pass-through channels changed"
 
 
 def assert_adjoint(out, g, x, grad, rot_dim, interleaved, what="adjoint"):
@@ -192,26 +144,3 @@ def assert_linear(out_z, out_x, out_y, alpha, beta, z, x, y, rot_dim, interleave
     bad = ~((got - want).abs() <= bound)
     if bad.any():
         _fail(what, bad, got, want, bound)
-
-
-def assert_relative_position(out_q, out_k, q, k, rot_dim, interleaved, what="relative position"):
-    """out_q[c] = rope(q[c], m_c), out_k[c] = rope(k[c], n_c): copies c of the same q and k (dim 0),
-    with the same m_c - n_c. Their dot products over the last dim must agree across copies.
-
-    Per pair p, with a, b the exact rotated pairs and (**) for the rounded ones a', b':
-    |<a', b'> - <a, b>| <= ||a' - a|| ||b'|| + ||a|| ||b' - b|| <= sqrt(2) U s_q s_k (2 + sqrt(2) U)
-    <= 3 U s_q s_k. The exact <a, b> depends only on m - n, so any two copies differ by at most
-    6 U sum_p s_q,p s_k,p (pass-through channels are exact), plus float64 summation. Underflow
-    adds at most sqrt(2) ETA to each pair's error, so 2 sum_p (2 ETA (s_q + s_k) + 4 ETA^2) more
-    between two copies.
-    """
-    oq, ok = out_q.detach().double(), out_k.detach().double()
-    dots = (oq * ok).sum(-1)
-    sq, sk = pair_scale(q, rot_dim, interleaved), pair_scale(k, rot_dim, interleaved)
-    eta = ETA[out_q.dtype]
-    bound = 6 * unit_error(out_q.dtype) * (sq * sk).sum(-1) + fsum_slack(q.shape[-1]) * 2 * (oq * ok).abs().sum(-1)
-    bound += 2 * (2 * eta * (sq + sk) + 4 * eta**2).sum(-1)
-    dev = (dots - dots[:1]).abs()
-    bad = ~(dev <= bound)
-    if bad.any():
-        _fail(what + " (copy c against copy 0)", bad, dots, dots[:1].expand_as(dots), bound)

@@ -10,8 +10,6 @@ import rope.qknorm as qn
 
 from .cases import DEVICE
 
-pytestmark = pytest.mark.ours_only
-
 
 def _qkv(t=5, hq=3, hk=2, hv=2, d=10, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)

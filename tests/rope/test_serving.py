@@ -14,7 +14,6 @@ import rope.vllm
 
 from .cases import DEVICE, ON_GPU, gpu_only
 
-pytestmark = pytest.mark.ours_only
 FP8 = torch.float8_e4m3fn
 
 

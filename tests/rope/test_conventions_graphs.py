@@ -8,8 +8,7 @@ import torch
 
 import rope
 
-from .cases import DEVICE, gpu_only
-from .test_conventions import oracle, per_pair
+from .cases import DEVICE, gpu_only, oracle, per_pair
 
 pytestmark = gpu_only
 

@@ -189,7 +189,7 @@ def _check_case(case, cp, rank, impl, device, comm_device, dist):
     Every rank runs the same collectives in the same order whatever the outcome, so one failing
     comparison cannot leave the others waiting."""
     from rope import reference
-    from tests.numerics import assert_within_rounding
+    from tests.rope.numerics import assert_within_rounding
 
     seed = 1000 * cp + sum(map(ord, case.name))
     x, g, freqs, start = global_inputs(case, cp, seed)
@@ -246,7 +246,7 @@ def _check_case(case, cp, rank, impl, device, comm_device, dist):
     return failures
 
 
-def worker(rank, cp, backend, init_file, result_dir, impl_spec, timeout_s):
+def worker(rank, cp, backend, init_file, result_dir, timeout_s):
     """Entry of one spawned rank. Writes result_dir/rank<r>.json: cases checked, failures, error."""
     result = {"rank": rank, "checked": [], "failures": [], "error": None}
     try:
@@ -258,11 +258,11 @@ def worker(rank, cp, backend, init_file, result_dir, impl_spec, timeout_s):
             os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         import torch.distributed as dist
 
+        import rope
         import rope._launch
-        from tests.target import load_target
 
-        impl = load_target(impl_spec)
-        if impl.is_ours and not on_cuda and not rope._launch.INTERPRET:
+        impl = rope.apply_rotary_pos_emb
+        if not on_cuda and not rope._launch.INTERPRET:
             raise RuntimeError("Triton interpreter off on a CPU-only rank: rope would run its reference, "
                                "not the kernel")
         if backend == "nccl":

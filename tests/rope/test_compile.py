@@ -15,8 +15,6 @@ import rope
 
 from .cases import DEVICE, ON_GPU, make_freqs, make_t
 
-pytestmark = pytest.mark.ours_only
-
 
 # h and d differ from every s, b, s*b and b+1 the recompile test draws: Dynamo's duck sizing guards
 # on equal sizes (d == s*b, say), which would recompile for reasons that have nothing to do with rope.

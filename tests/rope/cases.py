@@ -1,4 +1,5 @@
-"""Building blocks for tests: devices, random inputs and the float64 reference run."""
+"""Building blocks of rope's own tests: devices, random inputs, the float64 reference run, and the plain conventions'
+float64 definitions."""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 import rope
 import rope._apply
@@ -163,3 +165,57 @@ def reference64(t, freqs, g, **kw):
     ref = te_oracle.apply_rotary_pos_emb(x, freqs, **kw)
     (grad,) = torch.autograd.grad(ref, x, g.detach().double())
     return ref.detach(), grad
+
+
+# ---- the plain conventions' definitions, in float64, and their inputs ----------------------------------------
+
+def head_dim(data, label="head dim"):
+    """Any even width under the interpreter; on a GPU, where every width is a new compilation, those of models."""
+    if DEVICE == "cuda":
+        return data.draw(st.sampled_from((64, 80, 128)), label=label)
+    return 2 * data.draw(st.integers(1, 12), label=label + "/2")
+
+
+def rotary_width(data, d, label="rotary width"):
+    if DEVICE == "cuda":
+        return data.draw(st.sampled_from((d, d // 2)), label=label)
+    return 2 * data.draw(st.integers(1, d // 2), label=label + "/2")
+
+
+def oracle(x, cos, sin, interleaved):
+    """Float64 rotation of x[..., :d2] by per-channel cos/sin (broadcast to it; d2 = their last size), from the
+    pair definitions: half-split pairs (i, i + d2/2), interleaved pairs (2i, 2i + 1)."""
+    x, cos, sin = x.double(), cos.double(), sin.double()
+    d2 = cos.shape[-1]
+    out = x.clone()
+    if interleaved:
+        a, b = x[..., 0:d2:2], x[..., 1:d2:2]
+        out[..., 0:d2:2] = a * cos[..., 0::2] - b * sin[..., 0::2]
+        out[..., 1:d2:2] = b * cos[..., 1::2] + a * sin[..., 1::2]
+    else:
+        h = d2 // 2
+        a, b = x[..., :h], x[..., h:d2]
+        out[..., :h] = a * cos[..., :h] - b * sin[..., :h]
+        out[..., h:d2] = b * cos[..., h:] + a * sin[..., h:]
+    return out
+
+
+def oracle_grad(g, cos, sin, interleaved):
+    """The adjoint of `oracle` applied to g (autograd through it, float64)."""
+    x = torch.zeros(g.shape, dtype=torch.float64, device=g.device, requires_grad=True)
+    oracle(x, cos, sin, interleaved).backward(g.double())
+    return x.grad
+
+
+def per_pair(half, interleaved):
+    """One column per pair -> one per channel."""
+    return half.repeat_interleave(2, -1) if interleaved else torch.cat([half, half], -1)
+
+
+def randn(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(DEVICE)
+
+
+def angles_table(rows, cols, dtype, gen):
+    theta = torch.rand(rows, cols, generator=gen, dtype=torch.float64) * 20 - 10
+    return theta.cos().to(dtype).to(DEVICE), theta.sin().to(dtype).to(DEVICE)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 VARIANTS = {
     "table-sbhd-bf16": dict(table=True, split=True, num_warps=1),
