@@ -1,37 +1,52 @@
-"""The conformance report: implementation x property, from one pytest run (`--conformance-report PATH`).
+"""The conformance report: implementation x property, from pytest runs of the native suite.
 
-Every test that runs the target (it uses the `target` fixture) is a property: conftest.py tags it with
-`property_name(item)` (tests/test_mrope.py's `test_mrope_*`, on the target's mRoPE call, give the `mrope_*` rows).
-This plugin, registered on the controller (it sees pytest-xdist workers' reports too), collects each property's
-outcome:
-    pass                      every example passed (with `narrowed` reasons when some fell outside the capabilities)
+    pytest --rope-impl IMPL tests/conformance/test_native.py --conformance-report PATH      one implementation
+    python -m tests.conformance.report [IMPL ...] [--out docs/conformance.md] [-- PYTEST ARGS]   several, merged
+
+Every test of the target (it uses the `target` fixture: test_native.py's forward, backward and invariants, one per
+convention) is a property: conftest.py tags it with `property_name(item)`, e.g. "hf: forward" or
+"hf: invariant inverse". The plugin here, registered on the controller (it sees pytest-xdist workers' reports too),
+collects each property's outcome:
+    pass                      every example passed
     fail                      with Hypothesis' shrunk counterexample ("Falsifying example: ...") and the message
-    not supported             skipped, with the reason (a capability the implementation lacks)
+    not supported             skipped, with the reason (a convention the implementation lacks, or one it declares off)
     error                     the test could not run (setup or teardown failed)
-and writes them as Markdown, or as JSON when PATH ends in .json (tests/adapters/conformance.py merges those).
+and writes them as Markdown, or as JSON when PATH ends in .json. `main` runs pytest once per implementation that is
+installed and merges the tables; one that is not installed gets a column saying how to install it. When --out names
+an existing file holding the markers `<!-- conformance:begin -->` and `<!-- conformance:end -->`, only the text
+between them is replaced (docs/conformance.md keeps its prose); otherwise the file is the report.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import re
+import subprocess
+import sys
+import tempfile
 import textwrap
+from pathlib import Path
 from typing import Optional
 
 MAX_EXAMPLE_LINES = 14
 MAX_MESSAGE_LINES = 4
+ROOT = Path(__file__).resolve().parents[2]
+FILES = ["tests/conformance/test_native.py"]
+BEGIN, END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
 
 
 def property_name(item) -> Optional[str]:
-    """A test of the target -> its property name (the check's name), else None."""
+    """A test of the target -> its property name ("CONVENTION: property"), else None."""
     if "target" not in getattr(item, "fixturenames", ()):
         return None
     name = (getattr(item, "originalname", None) or item.name).removeprefix("test_")
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "name" in params:
+        invariant = params.get("invariant")
+        return f"{params['name']}: {name}" + (f" {invariant}" if invariant else "")
     callspec = getattr(item, "callspec", None)
-    if name == "rejects_bad_input" and callspec is not None and "rule" in callspec.params:
-        return f"bad_input: {callspec.params['rule'].name}"
-    if callspec is not None:
-        return f"{name}[{callspec.id}]"
-    return name
+    return f"{name}[{callspec.id}]" if callspec is not None else name
 
 
 _EXAMPLE = re.compile(r"\s*(Falsifying (explicit )?example|Failing test case)\b")
@@ -85,22 +100,16 @@ def counterexample(text: str) -> str:
 def _skip_reason(report) -> str:
     longrepr = report.longrepr
     reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-    reason = reason.removeprefix("Skipped: ")
-    return re.sub(r"^not supported( by \S+)?: ", "", reason)
+    return reason.removeprefix("Skipped: ")
 
 
-def version_of(spec: str) -> str:
+def version_of(name: str) -> str:
     """The installed version of a named implementation's distribution ('' for other targets)."""
     from importlib import metadata
 
-    from . import ALL_NAMES, convention_module, parse
+    from .registry import DISTRIBUTIONS
 
-    if spec not in ALL_NAMES:
-        return ""
-    dists = ("rope-triton",) if spec == "rope" else convention_module(parse(spec).convention).DISTS
-    if isinstance(dists, dict):  # a convention of several named implementations: per name
-        dists = dists.get(spec, ())
-    for dist in dists:
+    for dist in DISTRIBUTIONS.get(name, ((), ""))[0]:
         try:
             return f"{dist} {metadata.version(dist)}"
         except metadata.PackageNotFoundError:
@@ -108,32 +117,15 @@ def version_of(spec: str) -> str:
     return ""
 
 
-def native_rows(target) -> dict:
-    """The conventions the target is certified in natively (tests/conformance), with what it declares."""
-    native = getattr(target, "native", None)
-    if native is None:
-        return {}
-    rows = {}
-    for conv in native.fns:
-        declared = {k: v for k, v in native.caps.get(conv, {}).items()}
-        rows[f"native {conv}"] = "yes" + (f" (declares {declared})" if declared else "")
-    for conv, why in native.missing.items():
-        rows[f"native {conv}"] = f"not installed ({why})"
-    return rows
-
-
 def capability_rows(target) -> dict:
-    """The target's capability cells: TE's convention, then its multimodal RoPE's ("mRoPE ..." rows), then the
-    native conventions ("native ..." rows)."""
-    if target.fn is None:
-        return native_rows(target)
-    rows = {**target.caps.table(), **native_rows(target)}
-    mrope_caps = getattr(target, "mrope_caps", None)
-    if getattr(target, "mrope", None) is None or mrope_caps is None:
-        rows["mRoPE"] = "none"
-        return rows
-    rows["mRoPE"] = f"yes ({mrope_caps.notes})" if mrope_caps.notes else "yes"
-    rows.update({f"mRoPE {k}": v for k, v in mrope_caps.table().items()})
+    """The conventions the target has (with what it declares), and those of a named implementation that are not
+    installed here."""
+    rows = {}
+    for conv in target.fns:
+        declared = dict(target.caps.get(conv, {}))
+        rows[conv] = "yes" + (f" (declares {declared})" if declared else "")
+    for conv, why in target.missing.items():
+        rows[conv] = f"not installed ({why})"
     return rows
 
 
@@ -144,7 +136,6 @@ class ConformanceReport:
         self.path = path
         self.impl = target.name
         self.caps = capability_rows(target)
-        self.convention = target.convention
         self.profile = profile
         self.version = version_of(target.name)
         self.results: dict = {}
@@ -170,14 +161,12 @@ class ConformanceReport:
                 entry.update(outcome="not supported", reason=_skip_reason(report))
             else:
                 entry.update(outcome="fail", detail=counterexample(report.longreprtext))
-            if props.get("rope_narrowed"):
-                entry["narrowed"] = props["rope_narrowed"]
         elif report.failed:  # teardown
             entry.update(outcome="error", detail=counterexample(report.longreprtext))
 
     def data(self) -> dict:
-        return {"impl": self.impl, "convention": self.convention, "profile": self.profile, "version": self.version,
-                "capabilities": self.caps, "results": self.results}
+        return {"impl": self.impl, "profile": self.profile, "version": self.version, "capabilities": self.caps,
+                "results": self.results}
 
     def pytest_sessionfinish(self, session):
         text = json.dumps(self.data(), indent=1) if self.path.endswith(".json") else render([self.data()])
@@ -201,7 +190,7 @@ def _cell(r: Optional[dict]) -> str:
         return "-"
     outcome = r["outcome"]
     if outcome == "pass":
-        return "pass" + (" (narrowed)" if r.get("narrowed") else "")
+        return "pass"
     if outcome == "fail":
         return "**fail**"
     if outcome == "error":
@@ -215,10 +204,6 @@ def _md(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
-def _order(name: str):
-    return (name.startswith("bad_input"), name.startswith("context_parallel_matches"), name)
-
-
 def render(runs: list, title: str = "Conformance report", unavailable: Optional[dict] = None, level: int = 1) -> str:
     """Markdown: capabilities per implementation, the property table, then each failure's counterexample.
     `level`: the title's heading level (sections one below, failures two below)."""
@@ -228,8 +213,7 @@ def render(runs: list, title: str = "Conformance report", unavailable: Optional[
     profiles = sorted({r.get("profile", "") for r in runs} - {""})
     if profiles:
         lines += [f"Hypothesis profile: {', '.join(profiles)}. Cells: pass; **fail** (counterexample below); "
-                  "n/s: not supported, with the reason; pass (narrowed): examples outside the capabilities were "
-                  "rejected, the rest passed (reasons below).", ""]
+                  "n/s: not supported, with the reason.", ""]
     if unavailable:
         lines += ["Not installed here: " + "; ".join(f"`{k}`: {_md(v)}" for k, v in unavailable.items()), ""]
     if runs:
@@ -240,7 +224,7 @@ def render(runs: list, title: str = "Conformance report", unavailable: Optional[
         for row in rows:
             lines.append(f"| {row} | " + " | ".join(_md(r["capabilities"].get(row, "-")) for r in runs) + " |")
         lines.append("")
-    names = sorted({n for r in runs for n in r["results"]}, key=_order)
+    names = sorted({n for r in runs for n in r["results"]})
     lines += [f"{h2} Properties", "", "| property | " + " | ".join(f"`{i}`" for i in impls) + " |",
               "|---|" + "---|" * len(impls)]
     for n in names:
@@ -253,12 +237,81 @@ def render(runs: list, title: str = "Conformance report", unavailable: Optional[
         lines += [f"{h2} Failures", ""]
         for impl, n, res in failures:
             lines += [f"{h3} `{impl}`: {n}", "", "```", (res.get("detail") or res["outcome"]).strip(), "```", ""]
-    narrowed = [(r["impl"], n, r["results"][n]["narrowed"]) for r in runs for n in names
-                if r["results"].get(n, {}).get("narrowed")]
-    if narrowed:
-        lines += [f"{h2} Examples outside the capabilities (rejected, not counted)", ""]
-        for impl, n, reasons in narrowed:
-            why = "; ".join(f"{k} ({v})" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
-            lines.append(f"- `{impl}` {_md(n)}: {_md(why)}")
-        lines.append("")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Several implementations, merged
+# ----------------------------------------------------------------------------------------------
+
+def availability(spec: str):
+    """None when `spec` resolves to at least one convention here, else the one-line reason."""
+    from .registry import DISTRIBUTIONS, resolve
+
+    try:
+        target = resolve(spec)
+    except Exception as e:  # noqa: BLE001 - reported in the table, the other implementations still run
+        return f"cannot load: {type(e).__name__}: {e}"
+    if target.fns:
+        return None
+    if target.missing:
+        install = DISTRIBUTIONS.get(spec, ((), ""))[1]
+        return f"not installed here; install it with: {install}" if install else "not installed here"
+    return "no convention of the native suite"
+
+
+def run_one(spec: str, pytest_args: list, workdir: str) -> dict:
+    out = os.path.join(workdir, f"{len(os.listdir(workdir))}.json")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rope-impl={spec}",
+           f"--conformance-report={out}", *(pytest_args or FILES)]
+    print("$", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT)
+    if not os.path.exists(out):
+        raise RuntimeError(f"{spec}: pytest exited with {proc.returncode} and wrote no report")
+    with open(out) as f:
+        return json.load(f)
+
+
+def splice(path: Path, body: str) -> str:
+    """The file's text with the marked section replaced by body (or body alone)."""
+    if path.exists():
+        text = path.read_text()
+        if BEGIN in text and END in text:
+            head, rest = text.split(BEGIN, 1)
+            _, tail = rest.split(END, 1)
+            return f"{head}{BEGIN}\n{body}\n{END}{tail}"
+    return body
+
+
+def main(argv=None) -> int:
+    from .registry import NAMED
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pytest_args = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, pytest_args = argv[:at], argv[at + 1:]
+    parser = argparse.ArgumentParser(prog="python -m tests.conformance.report", description=__doc__.split("\n")[0])
+    parser.add_argument("impls", nargs="*", default=list(NAMED),
+                        help="--rope-impl values (default: every named implementation)")
+    parser.add_argument("--out", default="conformance.md", help="Markdown file to write (default: conformance.md)")
+    parser.add_argument("--title", default="Conformance report")
+    args = parser.parse_args(argv)
+    runs, unavailable = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in args.impls:
+            why = availability(spec)
+            if why is not None:
+                print(f"{spec}: skipped: {why}", flush=True)
+                unavailable[spec] = why
+                continue
+            runs.append(run_one(spec, pytest_args, tmp))
+    out = Path(args.out)
+    spliced = out.exists() and BEGIN in out.read_text()
+    out.write_text(splice(out, render(runs, title=args.title, unavailable=unavailable, level=3 if spliced else 1)))
+    print(f"wrote {out} ({len(runs)} run, {len(unavailable)} not installed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
