@@ -206,9 +206,14 @@ def fake_peers(monkeypatch):
 
 @pytest.mark.parametrize("case", [c for c in SMALL_CASES if c.kind == "t"], ids=lambda c: c.name)
 def test_peer_adapters_agree_with_float64(fake_peers, case):
-    """Each adapter's layout conversion (views, the q/k split, cos/sin tables, offsets) is right."""
+    """Each adapter's layout conversion (views, the q/k split, cos/sin tables, offsets) is right, on the import
+    paths of tests/conformance/registry.py (a peer the registry has no call of is named as such, and not run)."""
     for name in ("te", "flash", "liger"):
-        assert IMPLS[name]().missing() is None
+        impl = IMPLS[name]()
+        if not impl.candidates:
+            assert name == "te" and "registry.py has no te call of te" in impl.missing(), impl.missing()
+            continue
+        assert impl.missing() is None
         if IMPLS[name]().unsupported(case):
             assert name == "liger" and (case.fmt == "thd" or case.interleaved or case.d2 != case.d)
             continue
