@@ -205,7 +205,8 @@ def _md(s: str) -> str:
 
 
 def render(runs: list, title: str = "Conformance report", unavailable: Optional[dict] = None, level: int = 1) -> str:
-    """Markdown: capabilities per implementation, the property table, then each failure's counterexample.
+    """Markdown: the conventions of each implementation (with what it declares), the property table, then each
+    failure's counterexample.
     `level`: the title's heading level (sections one below, failures two below)."""
     h1, h2, h3 = ("#" * n for n in (level, level + 1, level + 2))
     impls = [r["impl"] for r in runs] + list(unavailable or {})
@@ -218,7 +219,7 @@ def render(runs: list, title: str = "Conformance report", unavailable: Optional[
         lines += ["Not installed here: " + "; ".join(f"`{k}`: {_md(v)}" for k, v in unavailable.items()), ""]
     if runs:
         rows = list(dict.fromkeys(row for r in runs for row in r["capabilities"]))  # every run's, in order
-        lines += [f"{h2} Capabilities", "", "| capability | " + " | ".join(f"`{r['impl']}`" for r in runs) + " |",
+        lines += [f"{h2} Conventions", "", "| convention | " + " | ".join(f"`{r['impl']}`" for r in runs) + " |",
                   "|---|" + "---|" * len(runs)]
         lines.append("| version | " + " | ".join(_md(r.get("version") or "-") for r in runs) + " |")
         for row in rows:
