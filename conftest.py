@@ -5,6 +5,7 @@ interpreter is chosen by TRITON_INTERPRET=1, which Triton reads when it is first
 is set here, before any test module imports `rope` (and with it, `triton`).
 """
 import os
+from pathlib import Path
 
 import torch
 
@@ -47,7 +48,7 @@ from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.filter_too_much])
-# CI default: Triton's interpreter on the CPU. Small shapes (tests/strategies.py LIMITS), the same
+# CI default: Triton's interpreter on the CPU. Small shapes (tests/rope/strategies.py LIMITS), the same
 # examples every run, no example database, no targeting phase (its extra runs cost minutes). 20 examples per
 # property: the whole CPU suite, the native conventions' properties included, must fit CI's 15 minutes on 2
 # cores. The properties' coverage comes from the GPU profile (100 examples, realistic shapes) and the nightly
@@ -98,13 +99,15 @@ def pytest_cmdline_main(config):
 
 
 def pytest_addoption(parser):
+    from tests.conformance.registry import NAMED
+    from tests.conformance.spec import NAMES
+
     parser.addoption(
-        "--rope-impl", default="rope:apply_rotary_pos_emb", metavar="SPEC",
-        help="implementation to run the conformance tests against: te, flash, liger, hf, vllm or rope (named), "
-             "liger-mrope, hf-mrope, vllm-mrope or rope-mrope (named multimodal RoPE), module:callable "
-             "(TransformerEngine's apply_rotary_pos_emb signature), or CONVENTION:module:callable for a callable in "
-             "one of the conventions te, flash, liger, hf, vllm, hf-mrope, vllm-mrope, mrope (tests/adapters; "
-             "default: rope:apply_rotary_pos_emb)")
+        "--rope-impl", default="rope", metavar="SPEC",
+        help=f"implementation the conformance suite (tests/conformance) certifies: a named one ({', '.join(NAMED)}: "
+             f"every convention it has), or CONVENTION:module:callable for one callable in one of the conventions "
+             f"{', '.join(NAMES)} (tests/conformance/spec). Default: rope, this package, whose own tests (tests/rope) "
+             f"run only then")
     parser.addoption(
         "--rope-caps", default="", metavar="KEY=VALUE,...",
         help="capabilities the --rope-impl target declares where it differs from its convention's defaults, e.g. "
@@ -116,35 +119,49 @@ def pytest_addoption(parser):
              "it: for CI jobs that run where a peer may be absent")
     parser.addoption(
         "--conformance-report", default=None, metavar="PATH",
-        help="write the implementation x property table (pass / fail with the shrunk counterexample / not "
-             "supported with the reason) to PATH: Markdown, or JSON when PATH ends in .json")
+        help="write the implementation x property table of the native properties (pass / fail with the shrunk "
+             "counterexample / not supported with the reason) to PATH: Markdown, or JSON when PATH ends in .json")
 
 
 def _target(config):
-    from tests.target import load_target
+    """The --rope-impl target as the native registry resolves it (tests.conformance.registry.Native), named."""
+    from tests.conformance.registry import resolve
 
-    return load_target(config.getoption("--rope-impl"), config.getoption("--rope-caps"))
+    spec = config.getoption("--rope-impl")
+    return resolve(spec, config.getoption("--rope-caps"))._replace(name=spec)
+
+
+def _is_ours(config) -> bool:
+    from tests.conformance.registry import OURS
+
+    return config.getoption("--rope-impl").strip() in OURS
 
 
 def pytest_configure(config):
     """A --rope-impl that cannot be loaded stops the run with one short line, before collection: a usage error.
-    A named implementation that is not installed fails the run too (nothing was tested), naming how to install
-    it; with --rope-allow-missing it ends as skipped (exit status 0)."""
-    from tests.target import Unavailable
+    A named implementation none of whose conventions is installed fails the run too (nothing was tested), naming
+    how to install it; with --rope-allow-missing it ends as skipped (exit status 0)."""
+    from tests.conformance.registry import DISTRIBUTIONS, NAMED
 
     spec = config.getoption("--rope-impl")
     try:
         target = _target(config)
-    except Unavailable as e:
-        if config.getoption("--rope-allow-missing"):
-            pytest.exit(f"SKIPPED --rope-impl {spec}: {e}", returncode=0)
-        raise pytest.UsageError(f"--rope-impl {spec}: {e} (nothing was tested; --rope-allow-missing makes this "
-                                f"a skip)") from None
     except Exception as e:  # noqa: BLE001 - any failure to import or resolve is a usage error
         raise pytest.UsageError(f"--rope-impl {spec}: {type(e).__name__}: {e}") from None
+    if spec in NAMED and not target.fns:
+        why = "; ".join(f"{conv}: {err}" for conv, err in target.missing.items())
+        install = DISTRIBUTIONS.get(spec, ((), ""))[1]
+        line = f"not installed here ({why})" + (f"; install it with: {install}" if install else "")
+        if config.getoption("--rope-allow-missing"):
+            pytest.exit(f"SKIPPED --rope-impl {spec}: {line}", returncode=0)
+        raise pytest.UsageError(f"--rope-impl {spec}: {line} (nothing was tested; --rope-allow-missing makes this "
+                                f"a skip)")
+    if hasattr(config, "workerinput"):  # the controller collects every worker's reports
+        return
+    config.pluginmanager.register(TargetTested(target, _is_ours(config)), "rope-target-tested")
     path = config.getoption("--conformance-report")
-    if path and not hasattr(config, "workerinput"):  # the controller collects every worker's reports
-        from tests.adapters.report import ConformanceReport
+    if path:
+        from tests.conformance.report import ConformanceReport
 
         config.pluginmanager.register(ConformanceReport(path, target, _PROFILE), "rope-conformance-report")
 
@@ -155,28 +172,54 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def target(request):
+    """The implementation under test: `tests.conformance.registry.Native` ({convention: callable}, capabilities)."""
     return _target(request.config)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):
-    """Calls outside the target's capabilities are rejected examples (tests/target.py); a property whose every
-    example was rejected (Hypothesis: Unsatisfiable) is skipped with the reasons, not failed. The reasons and
-    counts go into the report (user property rope_narrowed)."""
-    from hypothesis.errors import Unsatisfiable
+_OWN_TESTS = Path(__file__).resolve().parent / "tests" / "rope"
 
-    from tests.target import REJECTED
 
-    REJECTED.clear()
-    try:
-        return (yield)
-    except Unsatisfiable:
-        if not REJECTED:
-            raise
-        pytest.skip("not supported: " + "; ".join(REJECTED))
-    finally:
-        if REJECTED:
-            item.user_properties.append(("rope_narrowed", dict(REJECTED)))
+def _own_test(path) -> bool:
+    return _OWN_TESTS == Path(path).resolve() or _OWN_TESTS in Path(path).resolve().parents
+
+
+def pytest_ignore_collect(collection_path, config):
+    """rope's own tests (tests/rope) concern this package, not a foreign --rope-impl target: not collected then
+    (those named on the command line are deselected: pytest collects a path given there whatever this says)."""
+    if _own_test(collection_path) and not _is_ours(config):
+        return True
+    return None
+
+
+class TargetTested:
+    """Nothing tested is not a pass: a run that collected tests of the target, or whose target is foreign, and in
+    which no test of the target executed (every one skipped, or none selected) ends with a line saying so and exit
+    status 5, as pytest's own for a run that collected nothing. Counted on the controller, from every worker's
+    reports (a test of the target carries the user property rope_property)."""
+
+    def __init__(self, target, ours: bool):
+        self.name, self.ours = target.name, ours
+        self.seen, self.executed = 0, 0
+        self.nothing_tested = False
+
+    def pytest_runtest_logreport(self, report):
+        if not any(key == "rope_property" for key, _ in report.user_properties):
+            return
+        self.seen += report.when == "setup"
+        self.executed += report.when == "call" and report.outcome in ("passed", "failed")
+
+    def pytest_sessionfinish(self, session):
+        self.nothing_tested = not session.config.option.collectonly and (self.seen or not self.ours) \
+            and not self.executed
+        if self.nothing_tested and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.nothing_tested:
+            terminalreporter.write_line(
+                f"NOTHING TESTED: no property of the conformance suite ran against --rope-impl {self.name} "
+                f"({self.seen} of its tests collected{', every one skipped' if self.seen else ''}): not a pass",
+                red=True)
 
 
 # The Hypothesis properties are the longest tests by far (1-3 minutes each in the GPU profile,
@@ -187,29 +230,18 @@ _LONGEST_FIRST = ("test_properties.py", "test_invariants.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Longest tests first; a foreign target skips the tests of this package's own internals
-    (`ours_only`, test_core), and the property tests that need a capability it lacks (tests/adapters).
-    Every test of the target is tagged with its property name (user property rope_property) for the
-    conformance report."""
-    from tests.adapters.report import property_name
+    """rope's own tests deselected under a foreign target; longest tests first; every test of the target tagged with
+    its property name (user property rope_property), for the conformance report and for the count of what ran
+    against the target."""
+    from tests.conformance.report import property_name
 
+    if not _is_ours(config):
+        own = [item for item in items if _own_test(item.path)]
+        if own:
+            config.hook.pytest_deselected(items=own)
+            items[:] = [item for item in items if not _own_test(item.path)]
     items.sort(key=lambda item: item.path.name not in _LONGEST_FIRST)  # stable: file order otherwise
-    target = _target(config)
-    no_te_call = pytest.mark.skip(reason=f"{target.name} has no call in TransformerEngine's convention")
     for item in items:
         name = property_name(item)
-        if name is None:
-            continue
-        item.user_properties.append(("rope_property", name))
-        if target.fn is None and "conformance" not in item.path.parts:
-            item.add_marker(no_te_call)
-            continue
-        why = target.caps.missing_for(name)
-        if why:
-            item.add_marker(pytest.mark.skip(reason=f"not supported by {target.name}: {why}"))
-    if target.is_ours:
-        return
-    skip = pytest.mark.skip(reason="concerns the rope package itself, not the --rope-impl target")
-    for item in items:
-        if item.get_closest_marker("ours_only") or item.path.name == "test_core.py":
-            item.add_marker(skip)
+        if name is not None:
+            item.user_properties.append(("rope_property", name))

@@ -192,8 +192,7 @@ class Liger(Impl):
     and in backward the upstream gradients too: each bind works on copies of the set and of the gradients, made
     once and untimed, so the shared sets stay as they are; every call rotates the copies again (the same bytes),
     as peers.LigerHF does for Liger's plain RoPE. In a model q and k are fresh projections each step."""
-    name, kinds = "liger", frozenset({KIND})
-    candidates = ("liger_kernel.transformers.qwen2vl_mrope:liger_multimodal_rotary_pos_emb",)
+    name, kinds, registered = "liger", frozenset({KIND}), ("liger-mrope", "hf-mrope")
     note = "writes q and k (backward: the upstream gradients) in place; timed on copies made once per bind"
 
     def bind(self, inputs, t, g=None):
@@ -207,6 +206,8 @@ class HFEager(Impl):
     where transformers has it (4.x), else `hf_formula`, the same definition written out (transformers 5 selects
     the sections in its rotary module instead and has no such function). `source()` says which."""
     name, kinds = "hf-eager", frozenset({KIND})
+    # not a call of a named implementation in tests/conformance/registry.py (transformers 5 has no such function):
+    # its path is listed here, and the written-out definition stands in where it does not import
     candidates = ("transformers.models.qwen2_vl.modeling_qwen2_vl:apply_multimodal_rotary_pos_emb",)
 
     def missing(self):

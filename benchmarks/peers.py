@@ -13,7 +13,8 @@ Triton `apply_rotary_emb`, x as (b, s, h, d) (sbhd: the transposed view of the s
 h, d) with cu_seqlens, cos/sin [s, d2/2] in x's dtype. liger: `liger_rotary_pos_emb` in place on the
 heads split in halves as q and k (same bytes), each contiguous [b, s, h/2, d] seen as [b, h/2, s, d]
 as a projection gives them (sbhd runs as bshd), cos/sin [1 or b, s, d] in x's dtype.
-Peers are imported lazily; one that is not installed is reported and not run.
+Peers are the named implementations of tests/conformance/registry.py (the one list of their import paths), imported
+lazily; one that is not installed is reported and not run.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from cases import CaseInputs, parts
 
 import rope
 from rope import reference
+from tests.conformance.registry import NAMED
 
 
 @dataclass
@@ -44,8 +46,16 @@ class Impl:
     backward = True  # False: forward only, checked and timed under no_grad
     inplace = False  # its outputs are its inputs' memory (the check verifies it)
     ours = False  # rope's launcher allocates the outputs: the check starts them as NaN
-    candidates: tuple = ()  # peers: "module:attr" imported lazily, the first that imports
+    registered: tuple = ()  # peers: (named implementation, convention) in tests/conformance/registry.py
     _fn = _why = None
+
+    @property
+    def candidates(self) -> tuple:
+        """The registry's "module:attr" paths of the peer, imported lazily: the first that imports."""
+        if not self.registered:
+            return ()
+        name, convention = self.registered
+        return NAMED.get(name, {}).get(convention, ((), {}))[0]
 
     def load(self):
         """The peer's function, imported on first use; None (the reasons in `_why`) if no candidate imports."""
@@ -59,7 +69,9 @@ class Impl:
         return self._fn
 
     def missing(self) -> str | None:
-        """Why it cannot run here at all (a peer that is not installed), or None."""
+        """Why it cannot run here at all (a peer that is not installed, or not in the registry), or None."""
+        if self.registered and not self.candidates:
+            return f"tests/conformance/registry.py has no {self.registered[1]} call of {self.registered[0]}"
         return self._why if self.candidates and self.load() is None else None
 
     def unsupported(self, case) -> str | None:
@@ -157,10 +169,7 @@ class Compiled(Reference):
 
 
 class TransformerEngine(Impl):
-    name = "te"
-    candidates = ("transformer_engine.pytorch.attention.rope:apply_rotary_pos_emb",
-                  "transformer_engine.pytorch.attention:apply_rotary_pos_emb",
-                  "transformer_engine.pytorch.dot_product_attention.rope:apply_rotary_pos_emb")
+    name, registered = "te", ("te", "te")
 
     def unsupported(self, case):
         params = inspect.signature(self.load()).parameters
@@ -180,7 +189,7 @@ class TransformerEngine(Impl):
 
 
 class FlashAttention(Impl):
-    name, candidates = "flash", ("flash_attn.layers.rotary:apply_rotary_emb",)
+    name, registered = "flash", ("flash", "flash")
 
     def unsupported(self, case):
         return "flash-attn's rotary supports head_dim <= 256" if case.d > 256 else None
@@ -204,7 +213,7 @@ class FlashAttention(Impl):
 
 class OursFlash(FlashAttention):
     """`rope.flash.apply_rotary_emb`, fed exactly as flash-attention is."""
-    name, candidates, ours = "ours_flash", (), True
+    name, registered, ours = "ours_flash", (), True
 
     def unsupported(self, case):
         return None
@@ -241,8 +250,7 @@ class OursHF(Impl):
 class LigerHF(Impl):
     """Liger-Kernel's `liger_rotary_pos_emb` in its own layout; it writes q and k in place, so each call
     rotates copies made once (untimed), as in a model where q and k are fresh projections."""
-    name, kinds = "liger_hf", frozenset({"hf"})
-    candidates = ("liger_kernel.transformers.rope:liger_rotary_pos_emb",)
+    name, kinds, registered = "liger_hf", frozenset({"hf"}), ("liger", "liger")
 
     def bind(self, inputs, t, g=None):
         cos, sin, xs, gs = hf_inputs(inputs, t, g)
@@ -252,7 +260,7 @@ class LigerHF(Impl):
 
 
 class Liger(Impl):
-    name, candidates = "liger", ("liger_kernel.transformers.rope:liger_rotary_pos_emb",)
+    name, registered = "liger", ("liger", "liger")
 
     def unsupported(self, case):
         if case.fmt == "thd":

@@ -49,24 +49,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTEST = "-x -q -n 0 -p no:cacheprovider"
-FAST = "tests/test_suite_catches_bugs.py::test_perturbed_reference_without_hooks_is_the_reference"
 
 
-def nodes(file: str, *tests: str) -> str:
-    """Node ids of tests in tests/FILE (a name with its parameters in brackets: that case alone), shell-quoted."""
-    return " ".join(shlex.quote(f"tests/{file}::{t}") for t in tests)
+def nodes(file: str, *tests: str, folder: str = "tests/rope") -> str:
+    """Node ids of tests in FOLDER/FILE (a name with its parameters in brackets: that case alone), shell-quoted."""
+    return " ".join(shlex.quote(f"{folder}/{file}::{t}") for t in tests)
 
 
 # Parts of the CPU suite, each quick (seconds to tens of seconds here, through Triton's interpreter), and each
 # running the code it is named for. PROPS: the headline property, 16 pinned edge cases (every format, dtype, mode,
-# partial rotation, layout) and 3 x ROPE_MAX_EXAMPLES drawn ones, forward and backward against float64.
+# partial rotation, layout) and 3 x ROPE_MAX_EXAMPLES drawn ones, forward and backward against float64, with every
+# output element poisoned first.
 PROPS = nodes("test_properties.py", "test_matches_float64_reference")
 KERNEL = nodes("test_core.py", "test_odd_sizes", "test_program_order_covers_every_row", "test_thd_table_programs",
                "test_empty", "test_output_strides_are_contiguous", "test_thd_many_sequences[table-4-(3, 2)-False]",
                "test_any_strides[interleaved-thd-sliced]", "test_any_strides[halfsplit-bshd-transposed]",
                "test_long_context_angles[torch.bfloat16-thd]", "test_program_index_division_kernel",
-               "test_program_index_division_constants") + " " + \
-    nodes("test_properties.py", "test_every_output_element_is_written")
+               "test_program_index_division_constants")
 API = nodes("test_core.py", "test_fused_false_is_reference", "test_signature_matches_transformer_engine",
             "test_freqs_dtype_upcast", "test_value_checks_off_never_reads_past_freqs",
             "test_value_checks_off_tokens_past_the_last_sequence",
@@ -78,47 +77,50 @@ QK = nodes("test_qk_inplace.py", "test_qk_is_one_launch_each_way", "test_qk_grad
            "test_inplace_qk_disjoint_views_of_one_buffer_and_aliasing",
            "test_qk_matches_two_calls_and_float64[table-thd-interleaved-2-4-cp]",
            "test_qk_matches_two_calls_and_float64[evaluated-bshd-interleaved-4-2-start]")
-CONVENTIONS = "tests/test_conventions.py tests/test_conventions_bad_input.py"
+# rope's entry points in the plain conventions: their own tests, and the native properties of hf, flash and vllm
+NATIVE_PLAIN = nodes("test_native.py", *(f"test_{prop}[{conv}]" for conv in ("hf", "flash", "vllm")
+                                          for prop in ("forward", "backward")), folder="tests/conformance")
+CONVENTIONS = f"tests/rope/test_entry_points.py tests/rope/test_conventions_bad_input.py {NATIVE_PLAIN}"
 # file -> its selection; a selection may begin with NAME=VALUE settings of the child's environment
 SELECTION = {
-    "rope/reference.py": f"tests/test_reference_meta.py {FAST} "
+    "rope/reference.py": "tests/rope/test_reference_meta.py "
                          + nodes("test_core.py", "test_fused_false_is_reference")
-                         + " " + nodes("test_conventions.py", "test_cache_in_place_of_freqs"),
-    "rope/_table.py": "tests/test_angle_table.py "
+                         + " " + nodes("test_entry_points.py", "test_cache_in_place_of_freqs"),
+    "rope/_table.py": "tests/rope/test_angle_table.py "
                       + nodes("test_position_table.py", "test_positions_follow_the_spec",
                               "test_position_table_is_reused_and_never_stale",
                               "test_thd_positions_from_the_table[table-(2, 1)-False]",
                               "test_positions_follow_the_spec_for_every_chunk_length")
                       + " " + nodes("test_core.py", "test_value_checks_off_tokens_past_the_last_sequence"),
-    "rope/embedding.py": "tests/test_core.py tests/test_conventions.py -k 'embedding or Embedding'",
-    "rope/_validate.py": f"tests/test_bad_input.py {QK} {API} {CONVENTIONS} {PROPS} "
+    "rope/embedding.py": "tests/rope/test_core.py tests/rope/test_entry_points.py -k 'embedding or Embedding'",
+    "rope/_validate.py": f"tests/rope/test_bad_input.py {QK} {API} {CONVENTIONS} {PROPS} "
                          + nodes("test_qk_inplace.py", "test_same_stride_overlap_decision_is_exact")
                          + " " + nodes("test_core.py", "test_empty"),
     "rope/functional.py": f"{API} {QK} {CONVENTIONS} {PROPS}",
     "rope/_apply.py": f"{API} {QK} {PROPS} "
-                      + nodes("test_conventions.py", "test_conventions_launch_the_kernel_only_where_it_runs",
-                              "test_hf_matches_oracle")
+                      + nodes("test_entry_points.py", "test_conventions_launch_the_kernel_only_where_it_runs")
+                      + " " + nodes("test_native.py", "test_forward[hf]", folder="tests/conformance")
                       + " " + nodes("test_compile.py", "test_conventions_trace_as_the_reference"),
     "rope/_launch.py": f"{PROPS} {KERNEL} {API} {QK}",
-    "rope/_kernel.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/test_mrope.py",
+    "rope/_kernel.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/rope/test_mrope.py",
     "rope/_ops.py": nodes("test_compile.py", "test_opcheck", "test_compiled_errors_on_bad_input",
                           "test_fullgraph_matches_eager_and_never_recompiles[interleaved-sbhd]",
                           "test_fullgraph_matches_eager_and_never_recompiles[halfsplit-thd]"),
     "rope/cache.py": f"{CONVENTIONS} -k 'cache or Cache'",
-    "rope/hf.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/test_mrope.py -k hf",
+    "rope/hf.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/rope/test_mrope.py -k hf",
     "rope/flash.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} -k flash",
-    "rope/vllm.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/test_mrope.py -k vllm",
-    "rope/mrope.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/test_mrope.py -k 'mrope or entry'",
-    "rope/_hf_path.py": "ROPE_MAX_EXAMPLES=20 tests/test_hf_forms.py tests/conformance/test_native.py -k hf",
-    "rope/meta.py": "ROPE_MAX_EXAMPLES=20 tests/test_meta_bad_input.py tests/conformance/test_native.py -k meta",
-    "rope/torchtitan.py": "ROPE_MAX_EXAMPLES=20 tests/test_meta_bad_input.py tests/conformance/test_native.py "
+    "rope/vllm.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/rope/test_mrope.py -k vllm",
+    "rope/mrope.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/rope/test_mrope.py -k 'mrope or entry'",
+    "rope/_hf_path.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_hf_forms.py tests/conformance/test_native.py -k hf",
+    "rope/meta.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_meta_bad_input.py tests/conformance/test_native.py -k meta",
+    "rope/torchtitan.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_meta_bad_input.py tests/conformance/test_native.py "
                           "-k torchtitan",
-    "rope/qknorm.py": "ROPE_MAX_EXAMPLES=20 tests/test_qknorm.py tests/conformance/test_native.py -k qknorm",
-    "rope/_qknorm_checks.py": "tests/test_qknorm.py",
-    "rope/serving.py": "ROPE_MAX_EXAMPLES=20 tests/test_serving.py tests/conformance/test_native.py -k cache",
-    "rope/_serving_checks.py": "tests/test_serving.py",
-    "rope/_memo.py": "tests/test_memo.py tests/test_angle_table.py",
-    "rope/_cuda.py": "tests/test_angle_table.py tests/test_memo.py",
+    "rope/qknorm.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_qknorm.py tests/conformance/test_native.py -k qknorm",
+    "rope/_qknorm_checks.py": "tests/rope/test_qknorm.py",
+    "rope/serving.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_serving.py tests/conformance/test_native.py -k cache",
+    "rope/_serving_checks.py": "tests/rope/test_serving.py",
+    "rope/_memo.py": "tests/rope/test_memo.py tests/rope/test_angle_table.py",
+    "rope/_cuda.py": "tests/rope/test_angle_table.py tests/rope/test_memo.py",
 }
 DEFAULT_TESTS = f"{PROPS} {API} {QK}"  # a file not named above
 OUTCOMES = ("killed", "timeout", "survived", "incompetent", "equivalent")
@@ -219,7 +221,7 @@ def serve():
 
 class NoShrink:
     """pytest plugin: Hypothesis stops at the first failing example (no shrinking): the mutant is killed all the
-    same, and a shrink can take minutes of interpreted launches. The profile keeps its name (tests/strategies.py
+    same, and a shrink can take minutes of interpreted launches. The profile keeps its name (tests/rope/strategies.py
     sizes shapes by it)."""
 
     @staticmethod

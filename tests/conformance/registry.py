@@ -20,6 +20,21 @@ import torch
 
 from . import spec
 
+# named implementation -> (its distributions on the package index, how to install it): for the report's version
+# row and for the one line that says a named implementation is not installed here
+DISTRIBUTIONS = {
+    "rope": (("rope-triton",), "pip install -e . (this repository)"),
+    "hf": (("transformers",), "pip install transformers"),
+    "flash": (("flash-attn", "flash_attn"),
+              "pip install flash-attn --no-build-isolation (its Triton rotary needs the package to import; "
+              "FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE skips the CUDA build)"),
+    "liger": (("liger-kernel", "liger_kernel"), "pip install liger-kernel"),
+    "liger-mrope": (("liger-kernel", "liger_kernel"), "pip install liger-kernel"),
+    "vllm": (("vllm",), "pip install vllm (its rotary ops need a CUDA build)"),
+    "te": (("transformer-engine", "transformer_engine", "transformer-engine-torch"),
+           "pip install --no-build-isolation 'transformer_engine[pytorch]' (needs CUDA)"),
+}
+
 # named implementation -> {convention: (candidate "module:attr" paths, declared capabilities)}
 NAMED = {
     "rope": {
@@ -85,6 +100,10 @@ class Native(NamedTuple):
     fns: dict  # convention -> callable
     caps: dict  # convention -> declared capabilities
     missing: dict  # convention -> why it could not be imported (named implementations only)
+    name: str = ""  # the --rope-impl text it was resolved from
+
+    def __repr__(self):  # short: Hypothesis prints it in every failing example
+        return f"Native({self.name!r})"
 
 
 def import_attr(path: str):

@@ -30,11 +30,11 @@ def budget(prop: str) -> settings:
 
 
 def convention_of(target, name):
-    fn = target.native.fns.get(name)
+    fn = target.fns.get(name)
     if fn is None:
         pytest.skip(f"{target.name} has no {name} call")
     conv = spec.load(name)
-    return conv, fn, conv.caps(target.native.caps.get(name))
+    return conv, fn, conv.caps(target.caps.get(name))
 
 
 @pytest.mark.parametrize("name", CONVENTIONS)

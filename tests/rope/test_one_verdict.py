@@ -1,0 +1,319 @@
+"""One verdict on every path, and failure atomicity, as properties of every entry point (docs/contract.md
+sections 1, 5, 7a and 7b).
+
+A drawn call (an entry point, a valid call of it, then one bad or edge change: a dtype, a flag of the
+wrong type, a tensor argument that is none, a position outside the table with value checks on or off,
+in place on a leaf, on views of a tensor that requires grad, on split outputs, on aliased or expanded
+tensors) runs on the kernel path (CUDA, or Triton's interpreter on the CPU) and on the CPU reference
+path, each on fresh inputs. Both give the same result within rounding (and the same gradients), or the
+same exception type naming the same argument first; a bad input raises ValueError or TypeError before
+anything is written: every input, and the tensor that views share, keeps its values.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rope
+import rope._apply
+import rope._launch
+import rope.functional
+
+from .cases import DEVICE, reference_path
+
+S, B, H, D, T, ROWS = 4, 2, 2, 8, 5, 8  # sequence, batch, heads, head dim, tokens, table rows
+MAX_EXAMPLES = 12  # per entry point: the CPU interpreter runs two paths per example
+
+
+class Entry(NamedTuple):
+    fn: Callable
+    tensors: tuple  # the rotated tensors' argument names (one, or two: q and k)
+    shapes: tuple  # their shapes
+    tables: Callable  # gen -> the other arguments (angles, positions, flags)
+    positions: str | None  # the argument holding positions or start offsets
+    table: str | None  # the argument a position past the end is blamed on (value checks)
+    flags: tuple  # bool flags
+    inplace: str | None  # "kw": inplace=True asks for it; "always": the convention writes in place
+
+
+def _rand(gen, *shape):
+    return torch.randn(*shape, generator=gen).to(DEVICE)
+
+
+def _freqs(gen):
+    return (torch.rand(ROWS, 1, 1, D, generator=gen) * 6).to(DEVICE)
+
+
+def _half(gen):
+    return (torch.rand(ROWS, D // 2, generator=gen) * 6).to(DEVICE)
+
+
+def _te(gen):
+    return dict(freqs=_freqs(gen), start_positions=torch.randint(0, ROWS - S + 1, (B,), generator=gen).to(DEVICE))
+
+
+def _hf(gen, streams=False, width=D):
+    ang = (torch.rand(*((3,) if streams else ()), B, S, width // 2, generator=gen) * 6).to(DEVICE)
+    ang = torch.cat([ang, ang], dim=-1)
+    kw = dict(cos=ang.cos(), sin=ang.sin())
+    if streams:
+        kw["mrope_section"] = [2, 1, 1]
+    return kw
+
+
+def _flash(gen):
+    half = _half(gen)
+    return dict(cos=half.cos(), sin=half.sin(),
+                seqlen_offsets=torch.randint(0, ROWS - S + 1, (B,), generator=gen).to(DEVICE))
+
+
+def _vllm(gen, streams=False):
+    half = _half(gen)
+    kw = dict(positions=torch.randint(0, ROWS, (3, T) if streams else (T,), generator=gen).to(DEVICE), head_size=D,
+              cos_sin_cache=torch.cat([half.cos(), half.sin()], dim=-1))
+    if streams:
+        kw["mrope_section"] = [2, 1, 1]
+    else:
+        kw["is_neox"] = True
+    return kw
+
+
+def _mrope(gen):
+    return dict(freqs=_freqs(gen), positions=torch.randint(0, ROWS, (3, T), generator=gen).to(DEVICE),
+                mrope_section=[2, 1, 1], tensor_format="thd")
+
+
+ENTRIES = {
+    "te": Entry(rope.apply_rotary_pos_emb, ("t",), ((S, B, H, D),), _te, "start_positions", "freqs",
+                ("interleaved", "fused", "inplace"), "kw"),
+    "te-qk": Entry(rope.apply_rotary_pos_emb_qk, ("q", "k"), ((S, B, H, D), (S, B, 1, D)), _te, "start_positions",
+                   "freqs", ("interleaved", "inplace"), "kw"),
+    "hf": Entry(rope.hf.apply_rotary_pos_emb, ("q", "k"), ((B, H, S, D), (B, 1, S, D)), _hf, None, None, (), None),
+    # partial rotary (tables of half the head) through the one-tensor and GLM's forms
+    "hf-single": Entry(rope.hf.apply_rotary_pos_emb_single, ("x",), ((B, H, S, D),), lambda gen: _hf(gen, width=D // 2),
+                       None, None, (), None),
+    "hf-glm": Entry(rope.hf.apply_rotary_pos_emb_glm, ("q", "k"), ((B, H, S, D), (B, 1, S, D)),
+                    lambda gen: _hf(gen, width=D // 2), None, None, (), None),
+    "hf-mrope": Entry(rope.hf.apply_multimodal_rotary_pos_emb, ("q", "k"), ((B, H, S, D), (B, 1, S, D)),
+                      lambda gen: _hf(gen, True), None, None, ("mrope_interleaved",), None),
+    "flash": Entry(rope.flash.apply_rotary_emb, ("x",), ((B, S, H, D),), _flash, "seqlen_offsets", "cos",
+                   ("interleaved", "inplace"), "kw"),
+    "vllm": Entry(rope.vllm.rotary_embedding, ("query", "key"), ((T, H * D), (T, D)), _vllm, "positions",
+                  "positions", ("is_neox",), "always"),
+    "vllm-mrope": Entry(rope.vllm.mrotary_embedding, ("query", "key"), ((T, H * D), (T, D)),
+                        lambda gen: _vllm(gen, True), "positions", "positions", ("is_neox", "mrope_interleaved"),
+                        "always"),
+    "mrope": Entry(rope.mrope.apply_multimodal_rotary_pos_emb, ("t",), ((T, H, D),), _mrope, "positions",
+                   "positions", ("interleaved", "mrope_interleaved"), None),
+    "mrope-qk": Entry(rope.mrope.apply_multimodal_rotary_pos_emb_qk, ("q", "k"), ((T, H, D), (T, 1, D)), _mrope,
+                      "positions", "positions", ("interleaved", "mrope_interleaved"), None),
+}
+
+# The changes: each (entry) -> whether it applies
+CHANGES = ("none", "float64", "int64", "not_a_tensor", "flag_not_bool", "past_the_table", "negative_position",
+           "views_of_grad_tensor", "leaf_requires_grad", "split_outputs", "aliased", "expanded")
+
+
+def _applies(change: str, entry: Entry) -> bool:
+    if change in ("past_the_table", "negative_position"):
+        return entry.positions is not None
+    if change == "flag_not_bool":
+        return bool(entry.flags)
+    if change in ("leaf_requires_grad", "split_outputs", "expanded"):
+        return entry.inplace is not None
+    if change == "aliased":
+        return entry.inplace is not None and len(entry.tensors) == 2
+    return True
+
+
+class Built(NamedTuple):
+    kwargs: dict
+    watched: list  # every tensor whose values a failing call must leave as they were
+    leaves: list  # tensors whose gradients the two paths must agree on
+    expect: tuple | None  # (exception type, argument named), None: a result, or "either" for no rule
+
+
+def build(name: str, change: str, seed: int, flag_value, checks: bool) -> Built:
+    """The call of entry `name` with `change`, built from `seed` (the same inputs on both paths)."""
+    entry = ENTRIES[name]
+    gen = torch.Generator().manual_seed(seed)
+    kw = entry.tables(gen)
+    leaves, watched = [], []
+    names, shapes = entry.tensors, entry.shapes
+    if change == "views_of_grad_tensor":  # slices of one fused projection that requires grad (a non-leaf)
+        w, y, views = _projection_views(name, gen)
+        leaves.append(w)
+        watched.append(y)
+        kw.update(zip(names, views, strict=True))
+    elif change == "split_outputs":
+        base = _rand(gen, *shapes[0][:-2], shapes[0][-2] + 1, D).requires_grad_()
+        y = base * 1
+        watched.append(y)
+        kw[names[0]] = y.split([shapes[0][-2], 1], dim=-2)[0].flatten(-2) if name.startswith("vllm") else \
+            y.split([shapes[0][-2], 1], dim=-2)[0]
+        for n, s in zip(names[1:], shapes[1:], strict=False):
+            kw[n] = _rand(gen, *s)
+    else:
+        for n, s in zip(names, shapes, strict=True):
+            kw[n] = _rand(gen, *s)
+    main = names[0]
+    expect = None
+    if change == "float64":
+        for n in names:
+            kw[n] = kw[n].double()
+        expect = "either" if name.startswith("hf") else (TypeError, main)  # transformers promotes q with cos
+    elif change == "int64":
+        for n in names:
+            kw[n] = (kw[n] * 4).long()
+        expect = "either" if name.startswith("hf") else (TypeError, main)
+    elif change == "not_a_tensor":
+        kw[main] = None
+        expect = (TypeError, main)
+    elif change == "flag_not_bool":
+        flag = entry.flags[seed % len(entry.flags)]
+        kw[flag] = flag_value
+        expect = (TypeError, flag)
+    elif change in ("past_the_table", "negative_position"):
+        pos = kw[entry.positions].clone()
+        pos.view(-1)[seed % pos.numel()] = ROWS if change == "past_the_table" else -1
+        kw[entry.positions] = pos
+        if checks:
+            expect = (ValueError, entry.table if change == "past_the_table" else entry.positions)
+    elif change == "leaf_requires_grad":
+        kw[main].requires_grad_()
+        leaves.append(kw[main])
+        # flash-attention writes a leaf in place and returns it as a new tensor with the rotation's backward
+        # (docs/contract.md, 7a); the others refuse it, as autograd does
+        expect = None if name == "flash" else (ValueError, main)
+    elif change == "split_outputs":
+        expect = (ValueError, main)
+    elif change == "aliased":
+        kw[names[1]] = kw[main][..., :shapes[1][-1]] if name.startswith("vllm") else kw[main][:, :, :1]
+        expect = (ValueError, names[1])
+    elif change == "expanded":
+        one = _rand(gen, 1, *shapes[0][1:])
+        kw[main] = one.expand(shapes[0])
+        expect = (ValueError, main)
+    if entry.inplace == "kw" and change in ("views_of_grad_tensor", "leaf_requires_grad", "split_outputs", "aliased",
+                                            "expanded"):
+        kw["inplace"] = True
+    watched += [v for v in kw.values() if isinstance(v, torch.Tensor)]
+    return Built(kw, watched, leaves, expect)
+
+
+def _projection_views(name, gen):
+    """(w, y = x @ w, views of y shaped as the entry's tensors): q, k (and a v left over) sliced per token
+    from one fused projection, as attention layers do, so that q and k have the same strides."""
+    shapes = ENTRIES[name].shapes
+    if name.startswith("vllm"):  # [T, heads * head_size]: column slices
+        widths = [s[1] for s in shapes]
+        w = _rand(gen, 16, sum(widths) + D).requires_grad_()
+        y = _rand(gen, T, 16) @ w
+        return w, y, [y[:, sum(widths[:i]):sum(widths[:i + 1])] for i in range(len(widths))]
+    hf = name.startswith("hf")  # [b, h, s, d]: the heads of a [b, s, h, d] projection, transposed
+    lead = (B, S) if hf else shapes[0][:-2]
+    heads = [s[1] if hf else s[-2] for s in shapes]
+    w = _rand(gen, 16, (sum(heads) + 1) * D).requires_grad_()
+    y = _rand(gen, *lead, 16) @ w
+    qkv = y.view(*lead, sum(heads) + 1, D)
+    views = [qkv[..., sum(heads[:i]):sum(heads[:i + 1]), :] for i in range(len(heads))]
+    return w, y, [v.transpose(1, 2) for v in views] if hf else views
+
+
+class Verdict(NamedTuple):
+    outputs: list | None
+    grads: list | None
+    error: tuple | None  # (type, the argument named first)
+
+
+def run(name: str, built: Built, on_reference: bool, checks: bool) -> Verdict:
+    entry = ENTRIES[name]
+    before = [x.detach().clone() for x in built.watched]
+    rope.set_value_checks(checks)
+    try:
+        with reference_path(on_reference):
+            result = entry.fn(**built.kwargs)
+    except (ValueError, TypeError) as e:
+        for x, was in zip(built.watched, before, strict=True):
+            assert torch.equal(x.detach(), was), f"{name}: an input was written before {type(e).__name__}: {e}"
+        return Verdict(None, None, (type(e), str(e).split(":")[0]))
+    finally:
+        rope.set_value_checks(True)
+    if result is None:  # vLLM's op: query and key written in place
+        result = [built.kwargs[n] for n in entry.tensors if built.kwargs[n] is not None]
+    outs = [result] if isinstance(result, torch.Tensor) else list(result)
+    outs += built.watched[:1] if built.leaves and built.watched[0].requires_grad else []
+    grads = None
+    if built.leaves:
+        gen = torch.Generator().manual_seed(99)
+        torch.autograd.backward([o for o in outs if o.requires_grad],
+                                [torch.randn(o.shape, generator=gen).to(o) for o in outs if o.requires_grad])
+        grads = [leaf.grad for leaf in built.leaves]
+    return Verdict([o.detach() for o in outs], grads, None)
+
+
+def _close(a, b, what):
+    for x, y in zip(a, b, strict=True):
+        tol = {torch.float32: 2.0**-18, torch.float64: 2.0**-18}.get(x.dtype, 2.0**-7)
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def check_one_verdict(name, change, seed, flag_value, checks):
+    kernel = run(name, build(name, change, seed, flag_value, checks), False, checks)
+    ref = run(name, build(name, change, seed, flag_value, checks), True, checks)
+    expect = build(name, change, seed, flag_value, checks).expect
+    assert kernel.error == ref.error, f"{name}, {change}: kernel path {kernel.error}, reference path {ref.error}"
+    if expect not in (None, "either"):
+        assert kernel.error == expect, f"{name}, {change}: expected {expect}, got {kernel.error or 'a result'}"
+    elif expect is None:
+        assert kernel.error is None, f"{name}, {change}: expected a result, got {kernel.error}"
+    if kernel.error is None:
+        _close(kernel.outputs, ref.outputs, f"{name}, {change}: outputs")
+        if kernel.grads is not None:
+            _close(kernel.grads, ref.grads, f"{name}, {change}: gradients")
+
+
+def _changes(name):
+    return st.sampled_from([c for c in CHANGES if _applies(c, ENTRIES[name])])
+
+
+@pytest.mark.parametrize("name", list(ENTRIES))
+@settings(max_examples=MAX_EXAMPLES)
+@given(data=st.data())
+def test_one_verdict_on_every_path(name, data):
+    change = data.draw(_changes(name), label="change")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    flag_value = data.draw(st.sampled_from(["no", 1, 0, None, 1.0]), label="flag value")
+    checks = data.draw(st.booleans(), label="value checks") if change in ("past_the_table", "negative_position") \
+        else True
+    check_one_verdict(name, change, seed, flag_value, checks)
+
+
+# Every change once per entry point that takes it: the cases the issue found, fixed examples beside the draws.
+EXAMPLES = [(n, c, checks) for n in ENTRIES for c in CHANGES if _applies(c, ENTRIES[n])
+            for checks in ((True, False) if c in ("past_the_table", "negative_position") else (True,))]
+
+
+@pytest.mark.parametrize("name,change,checks", EXAMPLES, ids=[f"{n}-{c}-{'checks' if k else 'nochecks'}"
+                                                               for n, c, k in EXAMPLES])
+def test_one_verdict_examples(name, change, checks):
+    check_one_verdict(name, change, 7, "no", checks)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the kernel path is the only one")
+@pytest.mark.parametrize("name", list(ENTRIES))
+@pytest.mark.parametrize("on_reference", [True, False])
+def test_one_switch_decides_every_entry_point(name, on_reference):
+    """One rule (rope._apply.on_kernel_device) decides kernel or reference for every entry point: with it saying
+    reference, no entry point launches; with it saying kernel, each one does."""
+    built = build(name, "none", 3, None, True)
+    with reference_path(on_reference), mock.patch.object(rope._launch, "run", wraps=rope._launch.run) as launches:
+        ENTRIES[name].fn(**built.kwargs)
+    assert bool(launches.call_count) is not on_reference, \
+        f"{name}: {launches.call_count} launches with the reference path {'on' if on_reference else 'off'}"
