@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from ..tensors import DEVICE
 
-NAMES = ("hf", "hf-single", "hf-glm", "liger", "flash", "vllm", "hf-mrope", "vllm-mrope", "mrope", "qwen3vl-mrope",
-         "te-qkv",
+NAMES = ("te", "hf", "hf-single", "hf-glm", "liger", "flash", "vllm", "hf-mrope", "vllm-mrope", "mrope",
+         "qwen3vl-mrope", "te-qkv",
          "meta", "torchtitan-complex", "torchtitan-cossin", "qknorm", "vllm-qknorm", "vllm-cache", "sglang-cache",
          "te-qknorm", "qknorm-cache")
 
@@ -87,6 +87,12 @@ class Convention:
     def backward_plan(self, plan, caps: dict):
         """The plan as the backward property runs it (a target may support less in backward than in forward)."""
         return plan
+
+    def upstream(self, case: Case, name: str, g: torch.Tensor) -> torch.Tensor:
+        """The upstream gradient of output `name` as the backward property passes it: `g` (contiguous) by default;
+        a convention whose plans draw gradient layouts returns g's values as a strided or expanded view, as
+        autograd hands a kernel the gradient of a slice or of a broadcast."""
+        return g
 
     def leaf_args(self, case: Case) -> tuple:
         """The differentiable arguments the backward property passes as leaves that require grad themselves (a
