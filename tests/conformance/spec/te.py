@@ -61,6 +61,11 @@ class Plan(NamedTuple):
     grad_layout: str  # the upstream gradient: contiguous, strided (permuted, last-dim stride 2) or expanded
 
 
+def max_start() -> int:
+    """The largest start position drawn (the interpreter reads few rows; a device, a long prefix)."""
+    return 4 if small() else 512
+
+
 def lead_shape(p: Plan) -> tuple:
     """t's token dims."""
     if p.tensor_format == "thd":
@@ -135,9 +140,9 @@ class TE(Convention):
     def plans(self, caps):
         # Triton's interpreter runs one program per token (or token group) after another: few tokens on the CPU.
         # h = 17 and d = 80 (not powers of two) are drawn there too; odd d where partial rotary is a capability.
-        lim = dict(s=4, b=2, heads=(1, 2, 3, 17), n=4, units=2, cp=(1, 1, 2, 3), start=4, extra=2,
+        lim = dict(s=4, b=2, heads=(1, 2, 3, 17), n=4, units=2, cp=(1, 1, 2, 3), extra=2,
                    dims=(2, 4, 6, 7, 8, 10, 16, 80)) if small() else \
-            dict(s=256, b=4, heads=(1, 8, 17, 32), n=8, units=64, cp=(1, 1, 2, 4), start=512, extra=64,
+            dict(s=256, b=4, heads=(1, 8, 17, 32), n=8, units=64, cp=(1, 1, 2, 4), extra=64,
                  dims=(2, 6, 64, 80, 96, 128, 256))
 
         @st.composite
@@ -201,8 +206,11 @@ class TE(Convention):
         thd = p.tensor_format == "thd"
         cu = cu_of(p.lengths, p.cu_dtype) if thd else None
         n = len(p.lengths) if thd else p.b
-        start = arena.integers(0, (4 if small() else 512) + 1, (n,)) if p.start_dtype is not None else None
+        start = arena.integers(0, max_start() + 1, (n,)) if p.start_dtype is not None else None
         pos = token_positions(shape, p.tensor_format, start, cu, p.cp_size, p.cp_rank)
+        if not thd and p.b == 0:  # TE checks s cp_size <= s2 from the shapes alone: the rows of a batch of one
+            one = (p.s, 1) if p.tensor_format == "sbhd" else (1, p.s)
+            pos = token_positions((*one, p.h, p.d), p.tensor_format, None, None, p.cp_size, p.cp_rank)
         rows = (int(pos.max()) + 1 if pos.numel() else 0) + p.extra_rows  # freqs reach every position
         theta = pairing.per_channel(angles(arena.gen, (rows, p.rot // 2), p.angle_log2), p.interleaved) \
             if p.equal_halves else angles(arena.gen, (rows, p.rot), p.angle_log2)
@@ -279,7 +287,9 @@ def graph_view(x: torch.Tensor):
 
 def forward_backward(fn, case, up=None, **overrides):
     """(out, grad of t for upstream `up`, up) of one call with t as a view in the graph; up: random (seeded by the
-    plan), laid out as the plan's grad_layout, unless given."""
+    plan), laid out as the plan's grad_layout, unless given. Neither the call nor its backward may write the case's
+    buffers (freqs, start_positions, cu_seqlens, t's) or the upstream gradient."""
+    snap = Snapshot(case.buffers)
     t = overrides.pop("t", case.args["t"])
     view, leaf = graph_view(t)
     out = call(fn, case, t=view, **overrides)
@@ -287,8 +297,11 @@ def forward_backward(fn, case, up=None, **overrides):
         gen = torch.Generator().manual_seed(case.plan.seed + 2)
         up = upstream_as(case.plan.grad_layout, torch.randn(tuple(out.shape), generator=gen, dtype=torch.float64)
                          .to(out.dtype).to(out.device))
+    up_snap = Snapshot([up])
     grad = torch.autograd.grad(out, leaf, up, allow_unused=True)[0] if out.numel() else torch.zeros_like(leaf)
     assert grad is not None, "backward: no gradient for t"
+    snap.check_unchanged()
+    up_snap.check_unchanged()
     return out.detach(), grad, up
 
 

@@ -250,6 +250,14 @@ def _backward_writes_upstream(g, freqs, args):
     return grad
 
 
+def _backward_negates_freqs(g, freqs, args):
+    """The backward as the forward at -freqs (the inverse rotation where pair halves agree), negated in place and
+    never restored."""
+    with torch.no_grad():
+        freqs.neg_()
+    return rope_call(g, freqs, **args)
+
+
 def _nondeterministic():
     """A kernel whose launch alternates between two variants (an autotuner's choice per call): the second computes
     in float64 and rounds once, within the accuracy model but not the first's bits."""
@@ -278,6 +286,7 @@ forward_zeroes_tail = _te({"tail": "zero"})
 backward_zeroes_tail = _te(backward=_backward_tail_zeroed)
 backward_own_sine = _te(backward=lambda g, f, a: rope_call(g, f, **a, sign=-1.0))
 backward_writes_upstream = _te(backward=_backward_writes_upstream)
+backward_negates_freqs = _te(backward=_backward_negates_freqs)
 grad_read_as_contiguous = _te(backward=lambda g, f, a: _adjoint(contiguous_memory(g), f, a))
 writes_input = _te({"writes_input": True})
 float16_angles = _te({"angle_dtype": torch.float16})
@@ -351,6 +360,7 @@ BUGS = {
                                                     "zero_angles_identity")),
     "backward_own_sine": (backward_own_sine, ("backward", "adjoint")),
     "backward_writes_upstream": (backward_writes_upstream, ("backward",)),
+    "backward_negates_freqs": (backward_negates_freqs, ("backward", "deterministic")),
     "grad_read_as_contiguous": (grad_read_as_contiguous, ("backward", "layouts_agree", "adjoint")),
     "writes_input": (writes_input, ("forward",)),
     "float16_angles": (float16_angles, ("forward", "relative_position")),
