@@ -119,13 +119,14 @@ def _first_forward_bug(name):
 
 
 def test_through_rope_impl():
-    """As a user runs it: `pytest --rope-impl CONVENTION:module:callable` fails on a planted bug (exit status 1, the
-    forward property failed) and passes the correct implementation (exit status 0), in every convention; one
-    process runs each target in a pytest session of its own (cli_check.py)."""
+    """As a user runs it: `pytest --rope-impl CONVENTION:module:callable` (TE's convention: `module:callable`) fails on
+    a planted bug (exit status 1, the forward property failed) and passes the correct implementation (exit status 0),
+    in every convention; one process runs each target in a pytest session of its own (cli_check.py)."""
     targets = []
     for name in zoo_modules():
         module = f"{__package__}.zoo.{name.replace('-', '_')}"
-        targets += [f"{name}:{module}:{_first_forward_bug(name)}", f"{name}:{module}:{zoo(name).CORRECT.__name__}"]
+        prefix = "" if name == "te" else f"{name}:"  # TE's convention also as plain module:callable
+        targets += [f"{prefix}{module}:{_first_forward_bug(name)}", f"{prefix}{module}:{zoo(name).CORRECT.__name__}"]
     env = {**os.environ, "ROPE_MAX_EXAMPLES": "40"}
     done = subprocess.run([sys.executable, "-m", f"{__package__}.cli_check", *targets], cwd=ROOT, capture_output=True,
                           text=True, env=env, timeout=900)

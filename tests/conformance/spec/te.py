@@ -117,7 +117,7 @@ class TE(Convention):
     DIFFERENTIABLE = ("t",)
     CAPS = {
         "dtypes": (DTYPES, "dtypes of t"),
-        "freqs_dtypes": (DTYPES, "dtypes of freqs (read as float32)"),
+        "freqs_dtypes": ((*DTYPES, torch.float64), "dtypes of freqs (read as float32, float64 too)"),
         "formats": (FORMATS, "tensor formats (thd with cu_seqlens)"),
         "partial": (True, "d2 < d: channels d2.. copied; odd head dims"),
         "interleaved": (True, "interleaved (GPT-J) pairs"),
