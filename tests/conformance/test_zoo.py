@@ -108,6 +108,20 @@ def test_correct_passes(name, prop):
     assert failure is None, f"{name}: the correct implementation fails {prop}: {failure}"
 
 
+PINNED = [(name, i) for name in zoo_modules() for i in range(len(spec.load(name).PINS))]
+
+
+@pytest.mark.parametrize("name,index", PINNED, ids=[f"{n}-{i}" for n, i in PINNED])
+def test_pin_passes_the_correct(name, index):
+    """Every pinned edge case (spec PINS) is a valid call: the correct implementation passes it forward and
+    backward."""
+    conv = spec.load(name)
+    caps = conv.caps(getattr(zoo(name), "CAPS", {}))
+    run.forward(conv, zoo(name).CORRECT, caps, conv.PINS[index])
+    if conv.DIFFERENTIABLE:
+        run.backward(conv, zoo(name).CORRECT, caps, conv.PINS[index])
+
+
 @pytest.mark.parametrize("name", list(zoo_modules()))
 def test_zoo_is_complete(name):
     """At least six planted bugs per convention."""

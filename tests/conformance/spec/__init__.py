@@ -59,6 +59,9 @@ class Convention:
     # The convention's own invariants: name -> check(conv, fn, caps, plan), run as run.forward is (test_native.py
     # runs each as test_invariant[convention-name]; test_zoo.py names them as catching planted bugs).
     INVARIANTS: dict = {}
+    # Edge cases run forward and backward on every run before any drawn plan (test_native.py's test_pinned), as
+    # Hypothesis' @example runs them: each a plan, run where outside(plan, caps) finds it within the capabilities.
+    PINS: tuple = ()
 
     def caps(self, declared: dict = None) -> dict:
         """The capabilities in force: the defaults, overridden by what the target declares (unknown keys are
@@ -83,6 +86,10 @@ class Convention:
 
     def read(self, case: Case, name: str, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def outside(self, plan, caps: dict):
+        """Why a pinned plan lies outside the capabilities in force (a short reason), or None."""
+        return None
 
     def backward_plan(self, plan, caps: dict):
         """The plan as the backward property runs it (a target may support less in backward than in forward)."""

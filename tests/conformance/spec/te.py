@@ -239,11 +239,70 @@ class TE(Convention):
                                              cp_rank=p.cp_rank)
         return {"out": Expect(out, x64["t"], p.rot, p.interleaved, p.dtype)}
 
+    def outside(self, plan, caps):
+        nd = 3 if plan.tensor_format == "thd" else 4
+        needs = {
+            f"dtype {plan.dtype}": plan.dtype not in caps["dtypes"],
+            f"freqs dtype {plan.freqs_dtype}": plan.freqs_dtype not in caps["freqs_dtypes"],
+            f"format {plan.tensor_format}": plan.tensor_format not in caps["formats"],
+            "partial rotary": (plan.rot < plan.d or plan.d % 2) and not caps["partial"],
+            "interleaved": plan.interleaved and not caps["interleaved"],
+            "elementwise freqs": not plan.equal_halves and not caps["elementwise_freqs"],
+            "start_positions": plan.start_dtype is not None and not caps["start_positions"],
+            "int64 start_positions": plan.start_dtype == torch.int64 and not caps["int64_start_positions"],
+            "int64 cu_seqlens": plan.tensor_format == "thd" and plan.cu_dtype == torch.int64
+            and not caps["int64_cu_seqlens"],
+            "context parallelism": plan.cp_size > 1 and not caps["context_parallel"],
+            "start_positions with cp": plan.cp_size > 1 and plan.start_dtype is not None
+            and not caps["cp_start_positions"],
+            "strides": (plan.t_layout != contiguous(nd) or plan.last_stride != 1) and not caps["strides"],
+            "freqs strides": plan.freqs_layout != contiguous(4) and not caps["freqs_strides"],
+            "gradient strides": plan.grad_layout != "contiguous" and not caps["grad_strides"],
+            "empty tensors": 0 in (*lead_shape(plan), plan.h) and not caps["empty"],
+        }
+        return next((why for why, lacking in needs.items() if lacking), None)
+
     def grad_of(self, case, arg):
         return "out"
 
     def upstream(self, case, name, g):
         return upstream_as(case.plan.grad_layout, g)
+
+
+def pin(tensor_format="sbhd", dtype=torch.float32, s=4, b=2, lengths=(), h=2, d=16, rot=None, seed=0, **fields):
+    """A pinned plan: a plain call of these sizes (full rotation, random angles within 8 rad, contiguous tensors,
+    only what differs from the defaults passed), with `fields` replaced."""
+    plan = Plan(seed, dtype, torch.float32, tensor_format, 0 if tensor_format == "thd" else s, b, tuple(lengths), h,
+                d, d - d % 2 if rot is None else rot, False, False, 3, "normal", None, 1, 0, torch.int32, 0,
+                "minimal", 2, contiguous(3 if tensor_format == "thd" else 4), 1, contiguous(4), "contiguous")
+    return plan._replace(**fields)
+
+
+TRANSPOSED = Layout((1, 0, 2, 3), (0, 0, 0, 0))
+WINDOW = Layout((0, 1, 2), (0, 0, 24))  # a window of a wider last dim (q out of a fused projection)
+# The edges tests/test_properties.py ran first, now run by test_pinned.
+TE.PINS = (
+    pin("sbhd", s=3, d=8, rot=2, seed=1),  # d2 = 2: one pair
+    pin("bshd", torch.bfloat16, s=1, b=3, start_dtype=torch.int64, seed=2),  # s = 1 (decode), start_positions
+    pin("sbhd", torch.float16, b=1, h=3, d=20, rot=6, interleaved=True, seed=3),  # d2 < d
+    pin("sbhd", torch.bfloat16, s=2, b=1, h=17, d=80, rot=64, seed=4),  # h = 17, d = 80
+    pin("bshd", s=3, h=1, d=96, interleaved=True, equal_halves=True, seed=5),  # h = 1, d = 96, rotations
+    pin("thd", lengths=(3, 0, 1, 4), rot=8, start_dtype=torch.int32, seed=6),  # empty and one-token sequences
+    pin("thd", torch.bfloat16, lengths=(0, 4, 8, 0), d=12, cp_size=2, cp_rank=1, seed=7),  # cp, empty sequences
+    pin("sbhd", s=5, angle_log2=17, seed=8),  # angles to 1.3e5 rad
+    pin("thd", torch.bfloat16, lengths=(5, 2), h=3, d=32, angle_log2=17, interleaved=True, seed=9),
+    pin("sbhd", torch.float16, s=3, values="near_max", seed=10),  # |t| to 32752
+    pin("bshd", torch.float16, h=3, rot=8, grad_layout="expanded", seed=11),  # an expanded upstream gradient
+    pin("thd", lengths=(2, 3), t_layout=WINDOW, grad_layout="expanded", interleaved=True, seed=12),
+    pin("sbhd", torch.bfloat16, d=10, rot=4, cp_size=2, extra_rows=3, t_layout=TRANSPOSED, grad_layout="strided",
+        seed=13),
+    pin("sbhd", b=3, cp_size=2, cp_rank=1, start_dtype=torch.int64, seed=14),  # start_positions with cp
+    pin("bshd", torch.bfloat16, s=6, h=3, rot=8, cp_size=3, cp_rank=2, start_dtype=torch.int32, interleaved=True,
+        spelling="explicit", positional=5, seed=15),
+    pin("thd", lengths=(8, 0, 4, 12), cp_size=2, start_dtype=torch.int64, cu_dtype=torch.int64, seed=16),
+    pin("sbhd", s=0, freqs_dtype=torch.float64, seed=17),  # no tokens
+    pin("thd", lengths=(), h=3, spelling="explicit", positional=4, seed=18),  # no sequences
+)
 
 
 def upstream_as(kind: str, g: torch.Tensor) -> torch.Tensor:
