@@ -3,8 +3,7 @@
 `--rope-impl` resolves here for the native suite:
     NAME                          a named implementation: every convention it has (NAMED below)
     CONVENTION:module:callable    one callable in one convention (spec.NAMES)
-    module:callable               TransformerEngine's convention (certified by the TE properties; no native
-                                  convention here)
+    module:callable               te:module:callable (TransformerEngine's convention, the library's first)
 A target declares what it lacks, so that a missing feature is reported as "not supported" instead of
 failing every property: a `rope_capabilities` attribute on the callable ({capability: value}), a
 `ROPE_CAPABILITIES` dict in its module ({convention: {capability: value}}), or `--rope-caps
@@ -38,6 +37,7 @@ DISTRIBUTIONS = {
 # named implementation -> {convention: (candidate "module:attr" paths, declared capabilities)}
 NAMED = {
     "rope": {
+        "te": (("rope:apply_rotary_pos_emb",), {}),
         "hf": (("rope.hf:apply_rotary_pos_emb",), {}),
         "hf-single": (("rope.hf:apply_rotary_pos_emb_single",), {}),
         "hf-glm": (("rope.hf:apply_rotary_pos_emb_glm",), {}),
@@ -88,7 +88,21 @@ NAMED = {
     # TE asserts contiguous qkv and freqs, and refuses start_positions with context parallelism; its kernel reads
     # start_positions as int32 and takes v's width as the head width of q and k (fused_rope.cu), neither checked;
     # its backward has no start_positions (TE documents them as inference only)
-    "te": {"te-qkv": (("transformer_engine.pytorch.attention.rope:apply_fused_qkv_rotary_pos_emb",
+    # TE's apply_rotary_pos_emb with fused=True (its default, False, is the unfused PyTorch path) runs fused_rope.cu:
+    # it reads freqs as a contiguous float32 [s2, d2] table from its data pointer (freqs.float() copies only other
+    # dtypes: a float32 view is read wrongly), start_positions and cu_seqlens through int pointers (int64 values
+    # are read as int32 words), launches a (s, b) grid (a size 0 is an invalid launch configuration: no empty
+    # tensors), and checks its arguments with asserts and TORCH_CHECK (AssertionError, RuntimeError), some not at
+    # all (start_positions past freqs is read out of bounds). Strided t and upstream gradients are read through
+    # their strides; start_positions with context parallelism give cp_position(j) + start, as the contract says.
+    # Releases without interleaved, start_positions or cp_size (older signatures) lack those (_absent).
+    "te": {"te": (("transformer_engine.pytorch.attention.rope:apply_rotary_pos_emb",
+                   "transformer_engine.pytorch.attention:apply_rotary_pos_emb"),
+                  {"_keywords": {"fused": True}, "freqs_strides": False, "int64_start_positions": False,
+                   "int64_cu_seqlens": False, "empty": False, "bad_input": False,
+                   "_absent": {"interleaved": {"interleaved": False}, "start_positions": {"start_positions": False},
+                               "cp_size": {"context_parallel": False}}}),
+           "te-qkv": (("transformer_engine.pytorch.attention.rope:apply_fused_qkv_rotary_pos_emb",
                        "transformer_engine.pytorch.attention:apply_fused_qkv_rotary_pos_emb"),
                       {"strides": False, "cp_start_positions": False, "int64_start_positions": False,
                        "v_width": False, "backward_start_positions": False})},
@@ -140,6 +154,20 @@ def declared(fn, module, convention: str) -> dict:
     return {**per_module.get(convention, {}), **caps}
 
 
+def absent_caps(fn, absent: dict) -> dict:
+    """The capabilities to switch off for parameters fn's signature lacks ({parameter: capabilities}); none where
+    the signature cannot be read or takes **kwargs."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return {}
+    return {k: v for name, caps in absent.items() if name not in params for k, v in caps.items()}
+
+
 def resolve(spec_text: str, cli_caps: str = "") -> Native:
     """--rope-impl -> the native namespace. Unknown conventions are a ValueError; a named implementation with
     none of its conventions importable has them all in `missing`."""
@@ -159,6 +187,7 @@ def resolve(spec_text: str, cli_caps: str = "") -> Native:
             if conv in fns:
                 defaults = dict(defaults)
                 keywords = defaults.pop("_keywords", None)  # a fixed keyword makes the callable this convention
+                defaults.update(absent_caps(fns[conv], defaults.pop("_absent", {})))
                 if keywords:
                     fns[conv] = functools.partial(fns[conv], **keywords)
                 caps[conv] = {**defaults, **extra}
@@ -166,6 +195,8 @@ def resolve(spec_text: str, cli_caps: str = "") -> Native:
                 missing[conv] = errors[0] if errors else "no candidate"
         return Native(fns, caps, missing)
     parts = spec_text.split(":")
+    if len(parts) == 2 and all(parts):  # module:callable: TransformerEngine's convention
+        parts = ["te", *parts]
     if len(parts) == 3 and parts[0] in spec.NAMES:
         conv, path = parts[0], f"{parts[1]}:{parts[2]}"
         fn = import_attr(path)

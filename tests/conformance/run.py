@@ -5,8 +5,8 @@ forward(conv, fn, caps, plan): the call's outputs (returned, and written in plac
 backward(conv, fn, caps, plan): the differentiable arguments given as views of tensors that require grad (as
     a projection's q and k are), or as leaves that require grad where the convention says so (conv.leaf_args: then
     the call must accept them, and its outputs are checked as the forward's too), random upstream gradients on every
-    output; each gradient within the accuracy model of the float64 definition's vector-Jacobian product; the
-    upstream gradients left as they were.
+    output (laid out as conv.upstream says: contiguous, strided or expanded); each gradient within the accuracy
+    model of the float64 definition's vector-Jacobian product; the upstream gradients left as they were.
 inverse(conv, fn, caps, plan): the convention's own call with the angles negated undoes the first (oracle-free).
 """
 from __future__ import annotations
@@ -99,8 +99,8 @@ def backward(conv, fn, caps, plan):
     if own:  # what a leaf's call wrote and returned, as the forward property checks it without autograd
         compare(conv, case, expect, got, "backward (the forward on a leaf):")
     gen = torch.Generator().manual_seed(plan.seed + 1)
-    ups = {n: torch.randn(tuple(got[n].shape), generator=gen, dtype=torch.float64).to(got[n].dtype)
-           .to(got[n].device) for n in expect}
+    ups = {n: conv.upstream(case, n, torch.randn(tuple(got[n].shape), generator=gen, dtype=torch.float64)
+                            .to(got[n].dtype).to(got[n].device)) for n in expect}
     snap = Snapshot(list(ups.values()))
     for n in expect:
         assert got[n].requires_grad, f"backward: output {n} is outside the autograd graph"

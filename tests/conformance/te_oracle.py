@@ -2,8 +2,8 @@
     apply_rotary_pos_emb(t, freqs, tensor_format, start_positions, interleaved, fused, cu_seqlens, cp_size, cp_rank)
 Token positions follow docs/contract.md section 3 (the dual-chunk context-parallel layout, start_positions per
 sequence, packed sequences restarting at 0); the angles are read as float32, as TE's kernel reads them, so the
-oracle rotates by the float32 angles' exact cos and sin. rope's tests of its TE call (tests/rope) compare against
-it; it is differentiable in t.
+oracle rotates by the float32 angles' exact cos and sin. The te convention (spec/te.py) defines its call with it,
+and rope's own tests of its TE call (tests/rope) compare against it; it is differentiable in t.
 """
 from __future__ import annotations
 

@@ -56,6 +56,22 @@ def test_backward(target, name, data):
     run.backward(conv, fn, caps, data.draw(conv.plans(caps), label="plan"))
 
 
+PINNED = [(name, i) for name in CONVENTIONS for i in range(len(spec.load(name).PINS))]
+
+
+@pytest.mark.parametrize("name,index", PINNED, ids=[f"{n}-{i}" for n, i in PINNED])
+def test_pinned(target, name, index):
+    """A convention's pinned edge case (spec PINS), forward and (where the convention has one) backward."""
+    conv, fn, caps = convention_of(target, name)
+    plan = conv.PINS[index]
+    why = conv.outside(plan, caps)
+    if why:
+        pytest.skip(f"{target.name} declares no {why}")
+    run.forward(conv, fn, caps, plan)
+    if conv.DIFFERENTIABLE and caps.get("backward", True):
+        run.backward(conv, fn, caps, plan)
+
+
 @pytest.mark.parametrize("name,invariant", INVARIANTS, ids=[f"{n}-{i}" for n, i in INVARIANTS])
 @budget("invariant")
 @given(data=st.data())

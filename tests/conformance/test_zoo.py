@@ -108,6 +108,20 @@ def test_correct_passes(name, prop):
     assert failure is None, f"{name}: the correct implementation fails {prop}: {failure}"
 
 
+PINNED = [(name, i) for name in zoo_modules() for i in range(len(spec.load(name).PINS))]
+
+
+@pytest.mark.parametrize("name,index", PINNED, ids=[f"{n}-{i}" for n, i in PINNED])
+def test_pin_passes_the_correct(name, index):
+    """Every pinned edge case (spec PINS) is a valid call: the correct implementation passes it forward and
+    backward."""
+    conv = spec.load(name)
+    caps = conv.caps(getattr(zoo(name), "CAPS", {}))
+    run.forward(conv, zoo(name).CORRECT, caps, conv.PINS[index])
+    if conv.DIFFERENTIABLE:
+        run.backward(conv, zoo(name).CORRECT, caps, conv.PINS[index])
+
+
 @pytest.mark.parametrize("name", list(zoo_modules()))
 def test_zoo_is_complete(name):
     """At least six planted bugs per convention."""
@@ -119,13 +133,14 @@ def _first_forward_bug(name):
 
 
 def test_through_rope_impl():
-    """As a user runs it: `pytest --rope-impl CONVENTION:module:callable` fails on a planted bug (exit status 1, the
-    forward property failed) and passes the correct implementation (exit status 0), in every convention; one
-    process runs each target in a pytest session of its own (cli_check.py)."""
+    """As a user runs it: `pytest --rope-impl CONVENTION:module:callable` (TE's convention: `module:callable`) fails on
+    a planted bug (exit status 1, the forward property failed) and passes the correct implementation (exit status 0),
+    in every convention; one process runs each target in a pytest session of its own (cli_check.py)."""
     targets = []
     for name in zoo_modules():
         module = f"{__package__}.zoo.{name.replace('-', '_')}"
-        targets += [f"{name}:{module}:{_first_forward_bug(name)}", f"{name}:{module}:{zoo(name).CORRECT.__name__}"]
+        prefix = "" if name == "te" else f"{name}:"  # TE's convention also as plain module:callable
+        targets += [f"{prefix}{module}:{_first_forward_bug(name)}", f"{prefix}{module}:{zoo(name).CORRECT.__name__}"]
     env = {**os.environ, "ROPE_MAX_EXAMPLES": "40"}
     done = subprocess.run([sys.executable, "-m", f"{__package__}.cli_check", *targets], cwd=ROOT, capture_output=True,
                           text=True, env=env, timeout=900)

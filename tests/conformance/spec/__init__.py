@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from ..tensors import DEVICE
 
-NAMES = ("hf", "hf-single", "hf-glm", "liger", "flash", "vllm", "hf-mrope", "vllm-mrope", "mrope", "qwen3vl-mrope",
-         "te-qkv",
+NAMES = ("te", "hf", "hf-single", "hf-glm", "liger", "flash", "vllm", "hf-mrope", "vllm-mrope", "mrope",
+         "qwen3vl-mrope", "te-qkv",
          "meta", "torchtitan-complex", "torchtitan-cossin", "qknorm", "vllm-qknorm", "vllm-cache", "sglang-cache",
          "te-qknorm", "qknorm-cache")
 
@@ -59,6 +59,9 @@ class Convention:
     # The convention's own invariants: name -> check(conv, fn, caps, plan), run as run.forward is (test_native.py
     # runs each as test_invariant[convention-name]; test_zoo.py names them as catching planted bugs).
     INVARIANTS: dict = {}
+    # Edge cases run forward and backward on every run before any drawn plan (test_native.py's test_pinned), as
+    # Hypothesis' @example runs them: each a plan, run where outside(plan, caps) finds it within the capabilities.
+    PINS: tuple = ()
 
     def caps(self, declared: dict = None) -> dict:
         """The capabilities in force: the defaults, overridden by what the target declares (unknown keys are
@@ -84,9 +87,19 @@ class Convention:
     def read(self, case: Case, name: str, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def outside(self, plan, caps: dict):
+        """Why a pinned plan lies outside the capabilities in force (a short reason), or None."""
+        return None
+
     def backward_plan(self, plan, caps: dict):
         """The plan as the backward property runs it (a target may support less in backward than in forward)."""
         return plan
+
+    def upstream(self, case: Case, name: str, g: torch.Tensor) -> torch.Tensor:
+        """The upstream gradient of output `name` as the backward property passes it: `g` (contiguous) by default;
+        a convention whose plans draw gradient layouts returns g's values as a strided or expanded view, as
+        autograd hands a kernel the gradient of a slice or of a broadcast."""
+        return g
 
     def leaf_args(self, case: Case) -> tuple:
         """The differentiable arguments the backward property passes as leaves that require grad themselves (a
