@@ -222,11 +222,10 @@ class TargetTested:
                 red=True)
 
 
-# The Hypothesis properties are the longest tests by far (1-3 minutes each in the GPU profile,
-# about as long as all the others together on 16 workers). Collected first, they start at once on
-# separate pytest-xdist workers; in file order they formed a serial tail on a few workers (an
-# H200 host: the whole GPU suite took over 9 minutes that way, the properties alone 4.6).
-_LONGEST_FIRST = ("test_properties.py", "test_invariants.py")
+# The Hypothesis properties are the longest tests by far in the GPU profile (compile-bound: most examples are a
+# new kernel specialization). Collected first, they start at once on separate pytest-xdist workers instead of
+# forming a serial tail on a few workers at the end of the run.
+_LONGEST_FIRST = ("test_native.py", "test_properties.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -280,7 +280,8 @@ def pin(tensor_format="sbhd", dtype=torch.float32, s=4, b=2, lengths=(), h=2, d=
 
 TRANSPOSED = Layout((1, 0, 2, 3), (0, 0, 0, 0))
 WINDOW = Layout((0, 1, 2), (0, 0, 24))  # a window of a wider last dim (q out of a fused projection)
-# The edges tests/test_properties.py ran first, now run by test_pinned.
+# Edges every profile runs first (test_native.py, test_pinned): one pair, s = 1, h = 17, d = 80, empty and one-token
+# sequences, context parallel with empty sequences, long-context angles, values near the dtype's maximum.
 TE.PINS = (
     pin("sbhd", s=3, d=8, rot=2, seed=1),  # d2 = 2: one pair
     pin("bshd", torch.bfloat16, s=1, b=3, start_dtype=torch.int64, seed=2),  # s = 1 (decode), start_positions
