@@ -350,17 +350,16 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     inner = _inner(_roles(x, tensor_format), spans_batch, layout.b, layout.h if k is None else 0, rows_per_program,
                    chunks)
     kernel = rope_kernel if k is None else rope_qk_kernel
-    names = ("x", "o") if k is None else ("q", "qo", "k", "ko")
+    names = ("x", "out") if k is None else ("q", "q_out", "k", "k_out")
     outs = (_out_roles(t, tensor_format, inplace) for t in tensors)
     roles = [r for t, o in zip(tensors, outs, strict=True) for r in (_roles(t, tensor_format), o)]
     args = dict(
         rows_per_program=rows_per_program, n_groups=n_groups, inner=inner, seq_len=layout.s, n_seqs=layout.n_seqs,
         freqs_len=angles.length, cp_size=cp_size, cp_rank=cp_rank, n_batch=layout.b,
         **_magic_args(groups=n_groups, inner=inner, batch=layout.b),
-        **{f"stride_{name}{role}": st for name, rs in zip(names, roles, strict=True)
-           for role, st in zip("sbhd", rs, strict=True)},
+        **{f"{name}_strides": tuple(rs) for name, rs in zip(names, roles, strict=True)},
         stride_fs=angles.stride_s, stride_fb=angles.stride_b, stride_fd=angles.stride_d, stride_fm=angles.stride_m,
-        stride_ps=pos_strides[1], stride_pb=pos_strides[2], stride_pm=pos_strides[0],
+        positions_strides=(pos_strides[1], pos_strides[2], pos_strides[0]),
         HEAD_DIM=layout.d, ROT_DIM=layout.rot_dim, INTERLEAVED=interleaved, BACKWARD=backward,
         IS_THD=tensor_format == "thd", GROUP_PER_BATCH=per_batch, HAS_START=has_start, USE_CP=cp_size > 1,
         BLOCK_R=block_r, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, RNE_BF16=INTERPRET and x.dtype == torch.bfloat16,
@@ -385,8 +384,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items
         saved_roles = [_roles(t, tensor_format) for t in saved] if saved else [(0,) * 4] * 2
         args.update(n_items=items, n_progs=max(progs, 1), eps=float(eps), NORM=norm,
-                    **{f"stride_s{name}{role}": st for name, rs in zip("qk", saved_roles, strict=True)
-                       for role, st in zip("sbhd", rs, strict=True)})
+                    q_input_strides=tuple(saved_roles[0]), k_input_strides=tuple(saved_roles[1]))
         cap = _NORM_FWD_MAXNREG if not backward and x.is_cuda and x.element_size() == 2 and not interleaved else None
         return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, NORM_POINTERS, args), num_warps,
                     x.device, dense, None if cap is None else dict(maxnreg=cap))
@@ -594,11 +592,9 @@ def _cache_plan(q, k, v, key_cache, value_cache, slots, positions, cos, sin, row
     args = dict(
         q_heads=hq, k_heads=hk, q_rows=hq, k_rows=hk, n_groups=t, inner=chunks, **_magic_args(groups=t, inner=chunks),
         freqs_len=rows, n_slot_entries=slots.shape[0], n_cache_slots=n_blocks * block_size, block_size=block_size,
-        **{f"stride_{name}{role}": st for name, x in (("q", q), ("k", k), ("v", v))
-           for role, st in zip("shd", x.stride(), strict=True)},
-        **{f"stride_{name}{role}": st for name, x in (("kc", key_cache), ("vc", value_cache))
-           for role, st in zip("bohd", x.stride(), strict=True)},
-        stride_fs=cos.stride(0), stride_fd=cos.stride(1), stride_ps=positions.stride(0), stride_slot=slots.stride(0),
+        q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), key_cache_strides=key_cache.stride(),
+        value_cache_strides=value_cache.stride(), stride_fs=cos.stride(0), stride_fd=cos.stride(1),
+        stride_ps=positions.stride(0), stride_slot=slots.stride(0),
         HEAD_DIM=d, ROT_DIM=rot, INTERLEAVED=interleaved, BLOCK_R=block_r, BLOCK_HALF=block_half,
         BLOCK_TAIL=block_tail, BLOCK_D=triton.next_power_of_2(d), RNE_BF16=INTERPRET and q.dtype == torch.bfloat16,
         SPLIT=chunks > 1, FP8=fp8, FP8_BITS=INTERPRET and fp8,

@@ -74,6 +74,16 @@ def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=Fa
                      "key_cache_ptr": cache_type, "value_cache_ptr": cache_type}
             signature[name] = types.get(_pointer_role(kernel, name)) or "*" + dtype
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name.endswith("_strides"):  # a tensor's strides, one tuple: the last, its channels', of a contiguous one
+            rank = 3 if name == "positions_strides" or ("key_cache_ptr" in kernel.arg_names
+                                                         and name in ("q_strides", "k_strides", "v_strides")) else 4
+            unit = rank - 1 if name != "positions_strides" else None
+            signature[name] = tuple("constexpr" if j == unit else "i64" for j in range(rank))
+            for j in range(rank):
+                if j == unit:
+                    constexprs[(i, j)] = 1
+                else:
+                    attrs[(i, j)] = [["tt.divisibility", 16]]
         elif name.startswith("stride") and name.endswith("d"):  # last-dim strides of contiguous tensors
             signature[name] = "constexpr"
             constexprs[name] = 1

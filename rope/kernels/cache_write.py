@@ -102,9 +102,8 @@ def rope_cache_kernel(
     sin_table_ptr, k_scale_ptr, v_scale_ptr,
     q_heads, k_heads, q_rows, k_rows, n_groups, inner, magic_groups, magic_inner, freqs_len, n_slot_entries,
     n_cache_slots, block_size,
-    stride_qs, stride_qh, stride_qd, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd,
-    stride_kcb, stride_kco, stride_kch, stride_kcd, stride_vcb, stride_vco, stride_vch, stride_vcd,
-    stride_fs, stride_fd, stride_ps, stride_slot,
+    q_strides, k_strides, v_strides, key_cache_strides, value_cache_strides, stride_fs, stride_fd, stride_ps,
+    stride_slot,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, RNE_BF16: tl.constexpr,
     SPLIT: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr,
@@ -113,7 +112,13 @@ def rope_cache_kernel(
     v stored at the token's slot of the caches. One program: one tile (BLOCK_R rows) of a token's q and k rows.
     The tile and its v rows are loaded before the slot, the position and the angles are found: at decode the
     program's time is these loads' latency, which would otherwise come one after another. One tile per program
-    keeps no angles live across tiles, hence fewer registers."""
+    keeps no angles live across tiles, hence fewer registers. Strides: (token, head, channel) of q, k and v,
+    (block, offset in block, head, channel) of the caches."""
+    stride_qs, stride_qh, stride_qd = q_strides
+    stride_ks, stride_kh, stride_kd = k_strides
+    stride_vs, stride_vh, stride_vd = v_strides
+    stride_kcb, stride_kco, stride_kch, stride_kcd = key_cache_strides
+    stride_vcb, stride_vco, stride_vch, stride_vcd = value_cache_strides
     # a group is one token: no batch index, so neither n_batch nor its constant is used
     s_idx, b_idx, chunk = _program(n_groups=n_groups, inner=inner, n_batch=1, magic_groups=magic_groups,
                                    magic_inner=magic_inner, magic_batch=0, GROUP_PER_BATCH=False, SPLIT=SPLIT)

@@ -115,10 +115,8 @@ def rope_qknorm_kernel(
     q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
     magic_groups, magic_inner, magic_batch, magic_qheads, magic_kheads,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
-    stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
-    stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
-    stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
-    stride_sqs, stride_sqb, stride_sqh, stride_sqd, stride_sks, stride_skb, stride_skh, stride_skd,
+    q_strides, q_out_strides, k_strides, k_out_strides, stride_fs, stride_fb, stride_fd, stride_fm, positions_strides,
+    q_input_strides, k_input_strides,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
@@ -128,8 +126,15 @@ def rope_qknorm_kernel(
 ):
     """q and k of one layer normalised per head (RMSNorm with weights w_q, w_k) and rotated, in one launch
     (forward), or its vector-Jacobian product (BACKWARD: q_ptr and k_ptr hold the output gradients, q_input_ptr and
-    k_input_ptr the forward's inputs q and k, strides stride_sq*, stride_sk*), with the programs' partial weight
-    gradients. Pointers and angles as in `rope_qk_kernel`."""
+    k_input_ptr the forward's inputs q and k, strides q_input_strides and k_input_strides), with the programs'
+    partial weight gradients. Pointers, strides and angles as in `rope_qk_kernel`."""
+    stride_qs, stride_qb, stride_qh, stride_qd = q_strides
+    stride_qos, stride_qob, stride_qoh, stride_qod = q_out_strides
+    stride_ks, stride_kb, stride_kh, stride_kd = k_strides
+    stride_kos, stride_kob, stride_koh, stride_kod = k_out_strides
+    stride_ps, stride_pb, stride_pm = positions_strides
+    stride_sqs, stride_sqb, stride_sqh, stride_sqd = q_input_strides
+    stride_sks, stride_skb, stride_skh, stride_skd = k_input_strides
     k_ok, col_a, col_b = _pair_columns(ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_HALF=BLOCK_HALF)
     t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
     t_ok = t_cols < HEAD_DIM

@@ -48,9 +48,7 @@ def rope_qk_kernel(
     q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
     magic_groups, magic_inner, magic_batch, magic_qheads, magic_kheads,
     seq_len, n_seqs, freqs_len, cp_size, cp_rank,
-    stride_qs, stride_qb, stride_qh, stride_qd, stride_qos, stride_qob, stride_qoh, stride_qod,
-    stride_ks, stride_kb, stride_kh, stride_kd, stride_kos, stride_kob, stride_koh, stride_kod,
-    stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
+    q_strides, q_out_strides, k_strides, k_out_strides, stride_fs, stride_fb, stride_fd, stride_fm, positions_strides,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
@@ -61,9 +59,16 @@ def rope_qk_kernel(
     """q and k of one layer in one launch (QK: a group's rows are q's then k's, its angles found once for both), or
     one tensor (`rope_kernel`): a program's chunks of a group's rows, rotated by the group's angles.
     cos_or_freqs_ptr: the cos table (TABLE) or the angles `freqs`; cu_seqlens_or_positions_ptr: the positions
-    (POS_TABLE) or cu_seqlens (thd)."""
+    (POS_TABLE) or cu_seqlens (thd). Each tensor's strides are one tuple, (s, b, h, d) in the kernel's roles;
+    positions_strides is (s, b, stream). The angles' strides are scalars: `stride_fb` must not be specialized
+    (QK_COUNTS), and Triton's do_not_specialize takes whole parameters."""
     if PDL:  # launched as a programmatic dependent of the kernel before it: wait for that kernel's writes first
         tl.extra.cuda.gdc_wait()
+    stride_qs, stride_qb, stride_qh, stride_qd = q_strides
+    stride_qos, stride_qob, stride_qoh, stride_qod = q_out_strides
+    stride_ks, stride_kb, stride_kh, stride_kd = k_strides
+    stride_kos, stride_kob, stride_koh, stride_kod = k_out_strides
+    stride_ps, stride_pb, stride_pm = positions_strides
     s_idx, b_idx, r_begin, r_end, q_base, q_out_base, k_base, k_out_base = _group_of(
         item=tl.program_id(0), n_groups=n_groups, inner=inner, magic_groups=magic_groups, magic_inner=magic_inner,
         magic_batch=magic_batch, n_batch=n_batch, rows_per_program=rows_per_program, q_rows=q_rows, k_rows=k_rows,
@@ -119,8 +124,7 @@ def rope_kernel(
     x_ptr, out_ptr, cos_or_freqs_ptr, sin_ptr, start_positions_ptr, cu_seqlens_or_positions_ptr,
     n_heads, n_batch, rows_per_group, rows_per_program, n_groups, inner, magic_groups, magic_inner, magic_batch,
     magic_heads, seq_len, n_seqs, freqs_len, cp_size, cp_rank,
-    stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
-    stride_fs, stride_fb, stride_fd, stride_fm, stride_ps, stride_pb, stride_pm,
+    x_strides, out_strides, stride_fs, stride_fb, stride_fd, stride_fm, positions_strides,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
@@ -136,11 +140,9 @@ def rope_kernel(
         q_rows=rows_per_group, k_rows=0, rows_per_program=rows_per_program, n_groups=n_groups, inner=inner,
         magic_groups=magic_groups, magic_inner=magic_inner, magic_batch=magic_batch, magic_qheads=magic_heads,
         magic_kheads=magic_heads, seq_len=seq_len, n_seqs=n_seqs, freqs_len=freqs_len, cp_size=cp_size,
-        cp_rank=cp_rank, stride_qs=stride_xs, stride_qb=stride_xb, stride_qh=stride_xh, stride_qd=stride_xd,
-        stride_qos=stride_os, stride_qob=stride_ob, stride_qoh=stride_oh, stride_qod=stride_od, stride_ks=stride_xs,
-        stride_kb=stride_xb, stride_kh=stride_xh, stride_kd=stride_xd, stride_kos=stride_os, stride_kob=stride_ob,
-        stride_koh=stride_oh, stride_kod=stride_od, stride_fs=stride_fs, stride_fb=stride_fb, stride_fd=stride_fd,
-        stride_fm=stride_fm, stride_ps=stride_ps, stride_pb=stride_pb, stride_pm=stride_pm, HEAD_DIM=HEAD_DIM,
+        cp_rank=cp_rank, q_strides=x_strides, q_out_strides=out_strides, k_strides=x_strides,
+        k_out_strides=out_strides, stride_fs=stride_fs, stride_fb=stride_fb, stride_fd=stride_fd, stride_fm=stride_fm,
+        positions_strides=positions_strides, HEAD_DIM=HEAD_DIM,
         ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=IS_THD, GROUP_PER_BATCH=GROUP_PER_BATCH,
         HAS_START=HAS_START, USE_CP=USE_CP, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
         RNE_BF16=RNE_BF16, PIN=PIN, INPLACE=INPLACE, TABLE=TABLE, SPLIT=SPLIT, FANOUT=FANOUT, POS_TABLE=POS_TABLE,
