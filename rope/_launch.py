@@ -17,8 +17,8 @@ import triton
 
 from . import _memo
 from ._cuda import raw_stream
-from ._kernel import rope_cache_kernel, rope_kernel, rope_qk_kernel, rope_qknorm_kernel
 from ._table import cos_sin_table, token_positions
+from .kernels import rope_cache_kernel, rope_kernel, rope_qk_kernel, rope_qknorm_kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -35,7 +35,7 @@ _PROGRAMS_PER_SM = 8
 # row-half per thread; 16 for tensors small enough to be in flight at once, and 16-row tiles up to
 # 16 KB per SM (decode), whether a group spans the batch or is one token's heads: at decode, 8-row tiles
 # load each token's angles in 5 programs (q and k of 32 + 8 heads), one 64-row tile leaves SMs idle
-# (benchmarks/decode_study.py, part 4: 1.93 µs for transformers' decode q+k against 2.23 and 2.05).
+# (benchmarks/decode_study.py, part 4; docs/design.md gives the times).
 # thd programs cover 4 KB of `t` where a search of cu_seqlens takes several rounds, 2 KB where they read
 # the position table.
 _TABLE_ROWS = 8
@@ -55,23 +55,23 @@ _THREADS_PER_SM = 2048
 # there, tiles take up to 64 rows (tests that need the GPU's decomposition ask for it).
 _INTERPRETER_TILE_ROWS = 64 if INTERPRET else 0
 # Programmatic dependent launch (PDL, Hopper and later) of the rotation kernels: the kernel is launched while the
-# kernel before it in the stream still runs and waits for its writes in its first instruction (`_kernel._rope`),
+# kernel before it in the stream still runs and waits for its writes in its first instruction (`rope_qk_kernel`),
 # which hides its launch behind that kernel's last programs. Off by default: benchmarks/decode_study.py measures
 # it behind a matmul. Plans made while it is set keep it.
 PDL = os.environ.get("ROPE_PDL") == "1"
-# thd: cu_seqlens entries loaded per round of the search (`_kernel._sequence_of`), one per lane of a warp.
+# thd: cu_seqlens entries loaded per round of the search (`kernels._common._sequence_of`), one per lane of a warp.
 _SEARCH_FANOUT = 32
 # QK norm's backward: each program writes its partial weight gradients (2 * d float32), so programs take several
 # work items in turn (at most _NORM_PROGRAMS_PER_SM programs per SM) of up to _NORM_ROWS rows each: the partials
 # stay about 1 MB, against the tens of MB of q and k, whatever the number of tokens. 8 programs per SM keep enough
-# loads in flight (benchmarks/qknorm_study.py on an H200, Qwen3-8B fwd+bwd: 4K tokens 166.9 -> 136.6 µs, 16K
-# 591.6 -> 465.6 against 4 per SM; 64 or 128 rows alike, 32 slower).
+# loads in flight (benchmarks/qknorm_study.py, Qwen3-8B fwd+bwd: faster than 4 per SM at 4K and 16K tokens; 64 or 128
+# rows alike, 32 slower).
 _NORM_PROGRAMS_PER_SM = 8
 _NORM_ROWS = 64
 # QK norm's forward holds a whole head per row in float32 until the row's sum of squares is known. For the 16-bit
 # half-split tile the compiler takes 128 registers per thread; 96 hold it without spilling (ptxas -v), and the
-# warps this adds per SM keep more loads in flight (benchmarks/qknorm_study.py, H200, 4K tokens: Gemma's form 31.3
-# -> 29.3 µs, partial rotary 64/128 35.9 -> 31.9, Qwen3-8B and d 256 unchanged). The interleaved tile (77 registers)
+# warps this adds per SM keep more loads in flight (benchmarks/qknorm_study.py, 4K tokens: Gemma's form and partial
+# rotary 64/128 faster, Qwen3-8B and d 256 unchanged; docs/design.md). The interleaved tile (77 registers)
 # and 32-bit types (70 for fp32 d 128) stay below it, and given a cap ptxas spends up to it (fp32: 94): they are
 # left to the compiler.
 _NORM_FWD_MAXNREG = 96
@@ -113,7 +113,7 @@ class Angles(NamedTuple):
     0), with one column per channel of the rotary width, or, `half`, one per pair. Else `cos` is `freqs`
     as float32 (rows by stride_s, channels by stride_d), whose sin/cos the kernel evaluates, and `sin`
     is unused. `length`: rows; a position outside them gives NaN. Multimodal RoPE: `streams` is the
-    kernel's (MROPE, SEC0, SEC1, SEC2), which position stream each pair reads (`_kernel._stream_of_pair`),
+    kernel's (MROPE, SEC0, SEC1, SEC2), which position stream each pair reads (`kernels._common._stream_of_pair`),
     and `stride_m` the distance between the streams' tables (0: one table for all)."""
 
     cos: torch.Tensor
@@ -144,10 +144,27 @@ def table_angles(cos: torch.Tensor, sin: torch.Tensor, half: bool, batch_stride:
     return Angles(cos, sin, cos.shape[0], cos.stride(0), batch_stride, cos.stride(-1), True, half)
 
 
-def kernel_args(kernel, named: dict) -> tuple:
+# The pointer arguments of each kernel, by name, in the order `run` is given their tensors: `kernel_args` checks them
+# against the kernel's own when a plan is made, so the launch passes a plain tuple and a renamed or reordered pointer
+# fails there, not as a misplaced argument in the kernel.
+ROTATE_POINTERS = ("x_ptr", "out_ptr", "cos_or_freqs_ptr", "sin_ptr", "start_positions_ptr",
+                   "cu_seqlens_or_positions_ptr")
+ROTATE_QK_POINTERS = ("q_ptr", "q_out_ptr", "k_ptr", "k_out_ptr", "cos_or_freqs_ptr", "sin_ptr", "start_positions_ptr",
+                      "cu_seqlens_or_positions_ptr")
+NORM_POINTERS = ROTATE_QK_POINTERS + ("q_weight_ptr", "k_weight_ptr", "q_input_ptr", "k_input_ptr",
+                                      "weight_grad_partials_ptr")
+CACHE_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "key_cache_ptr", "value_cache_ptr", "slot_mapping_ptr", "positions_ptr",
+                  "cos_table_ptr", "sin_table_ptr", "k_scale_ptr", "v_scale_ptr")
+
+
+def kernel_args(kernel, pointers: tuple, named: dict) -> tuple:
     """The kernel's arguments after its pointers (every name not ending in `_ptr`), in its order, from `named`;
-    made once per plan, so the launch passes a ready tuple. A name missing or left over is an error here, at
-    planning, not a misplaced argument in the kernel."""
+    made once per plan, so the launch passes a ready tuple. `pointers`: the names of the tensors the launch passes
+    first, in their order, which must be the kernel's pointer arguments. A name missing, left over or out of order
+    is an error here, at planning, not a misplaced argument in the kernel."""
+    if tuple(n for n in kernel.arg_names if n.endswith("_ptr")) != tuple(pointers):
+        raise RuntimeError(f"{kernel.__name__}: pointer arguments are "
+                           f"{[n for n in kernel.arg_names if n.endswith('_ptr')]}, not {list(pointers)}")
     order = [n for n in kernel.arg_names if not n.endswith("_ptr")]
     missing, extra = set(order) - named.keys(), named.keys() - set(order)
     if missing or extra:
@@ -254,7 +271,7 @@ def _rows_per_program(n_groups: int, rows: int, block_r: int, spans_batch: bool,
 
 
 def magic(d: int) -> int:
-    """The constants of `_kernel._divmod` for a divisor 1 <= d < 2**31: m = 2**32 * (2**l - d) // d + 1 with
+    """The constants of `kernels._common._divmod` for a divisor 1 <= d < 2**31: m = 2**32 * (2**l - d) // d + 1 with
     l = ceil(log2 d), so that n // d = (umulhi(n, m) + n) >> l for every 0 <= n < 2**31. Packed as
     m + 2**32 * (32 + l): bit 37 set keeps the value above int32, so Triton always passes it as int64."""
     if not 1 <= d < 2**31:
@@ -269,7 +286,7 @@ def _magic_args(**divisors: int) -> dict:
 
 
 def _check_index_range(programs: int, rows: int) -> None:
-    """The kernel's program and row indices are int32 (`rope._kernel._program`)."""
+    """The kernel's program and row indices are int32 (`rope.kernels._common._program`)."""
     if max(programs, rows) >= 2**31:
         raise ValueError(f"t: {rows} rows (b*h, or q and k heads) per position in {programs} programs; "
                          f"at most {2**31 - 1} of each are supported")
@@ -301,10 +318,10 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
               pos_table: bool = False, k: torch.Tensor | None = None, pos_strides: tuple = (0, 1, 0),
               norm: int = 0, eps: float = 0.0, saved: tuple = ()) -> Plan:
     """The plan for x, or with `k` for x = q and k in one launch (same tokens, head dim and dtype; head
-    counts may differ). `angles`: what the kernel reads (`Angles`); `pos_table`: the kernel's cu_seqlens
-    argument holds one position per token, at the (stream, s, b) strides `pos_strides`. `norm` (1, or 2 for
-    Gemma's 1 + w): q and k RMS-normalised per head first (`rope_qknorm_kernel`); backward, `saved` holds the
-    inputs (q, k) while x and k are the output gradients."""
+    counts may differ). `angles`: what the kernel reads (`Angles`); `pos_table`: the kernel's
+    cu_seqlens_or_positions argument holds one position per token, at the (stream, s, b) strides `pos_strides`.
+    `norm` (1, or 2 for Gemma's 1 + w): q and k RMS-normalised per head first (`rope_qknorm_kernel`); backward,
+    `saved` holds the inputs (q, k) while x and k are the output gradients."""
     tensors = (x,) if k is None else (x, k)
     table = angles.table
     # angles differ per batch entry: a group is one (s, b) pair
@@ -333,17 +350,16 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     inner = _inner(_roles(x, tensor_format), spans_batch, layout.b, layout.h if k is None else 0, rows_per_program,
                    chunks)
     kernel = rope_kernel if k is None else rope_qk_kernel
-    names = ("x", "o") if k is None else ("q", "qo", "k", "ko")
+    names = ("x", "out") if k is None else ("q", "q_out", "k", "k_out")
     outs = (_out_roles(t, tensor_format, inplace) for t in tensors)
     roles = [r for t, o in zip(tensors, outs, strict=True) for r in (_roles(t, tensor_format), o)]
     args = dict(
         rows_per_program=rows_per_program, n_groups=n_groups, inner=inner, seq_len=layout.s, n_seqs=layout.n_seqs,
         freqs_len=angles.length, cp_size=cp_size, cp_rank=cp_rank, n_batch=layout.b,
         **_magic_args(groups=n_groups, inner=inner, batch=layout.b),
-        **{f"stride_{name}{role}": st for name, rs in zip(names, roles, strict=True)
-           for role, st in zip("sbhd", rs, strict=True)},
+        **{f"{name}_strides": tuple(rs) for name, rs in zip(names, roles, strict=True)},
         stride_fs=angles.stride_s, stride_fb=angles.stride_b, stride_fd=angles.stride_d, stride_fm=angles.stride_m,
-        stride_ps=pos_strides[1], stride_pb=pos_strides[2], stride_pm=pos_strides[0],
+        positions_strides=(pos_strides[1], pos_strides[2], pos_strides[0]),
         HEAD_DIM=layout.d, ROT_DIM=layout.rot_dim, INTERLEAVED=interleaved, BACKWARD=backward,
         IS_THD=tensor_format == "thd", GROUP_PER_BATCH=per_batch, HAS_START=has_start, USE_CP=cp_size > 1,
         BLOCK_R=block_r, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, RNE_BF16=INTERPRET and x.dtype == torch.bfloat16,
@@ -357,6 +373,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     else:
         args.update(q_heads=layout.h, k_heads=k.shape[-2], q_rows=q_rows, k_rows=k_rows,
                     **_magic_args(qheads=layout.h, kheads=k.shape[-2]))
+        if not norm:
+            args.update(QK=True)
     dense = tuple(_dense(t, tensor_format) for t in tensors)
     pdl = PDL and x.is_cuda and not norm
     if not norm:
@@ -366,12 +384,12 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items
         saved_roles = [_roles(t, tensor_format) for t in saved] if saved else [(0,) * 4] * 2
         args.update(n_items=items, n_progs=max(progs, 1), eps=float(eps), NORM=norm,
-                    **{f"stride_s{name}{role}": st for name, rs in zip("qk", saved_roles, strict=True)
-                       for role, st in zip("sbhd", rs, strict=True)})
+                    q_input_strides=tuple(saved_roles[0]), k_input_strides=tuple(saved_roles[1]))
         cap = _NORM_FWD_MAXNREG if not backward and x.is_cuda and x.element_size() == 2 and not interleaved else None
-        return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, args), num_warps, x.device,
-                    dense, None if cap is None else dict(maxnreg=cap))
-    return Plan(kernel, (n_groups * chunks, 1, 1), kernel_args(kernel, args), num_warps, x.device, dense,
+        return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, NORM_POINTERS, args), num_warps,
+                    x.device, dense, None if cap is None else dict(maxnreg=cap))
+    pointers = ROTATE_POINTERS if k is None else ROTATE_QK_POINTERS
+    return Plan(kernel, (n_groups * chunks, 1, 1), kernel_args(kernel, pointers, args), num_warps, x.device, dense,
                 dict(launch_pdl=True) if pdl else None)
 
 
@@ -456,10 +474,12 @@ def token_index_for(call, cu_seqlens):
 
 
 def _pointers(angles, start_positions, token_index):
-    # Unused index tensors still need a valid pointer argument; the kernel never reads them.
-    cos = angles.cos
-    return cos, angles.sin, start_positions if start_positions is not None else cos, \
-        token_index if token_index is not None else cos
+    """The tensors of the kernels' cos_or_freqs, sin, start_positions and cu_seqlens_or_positions pointers (the last
+    four of `ROTATE_POINTERS`). Unused index tensors still need a valid pointer argument; the kernel never reads
+    them."""
+    cos_or_freqs = angles.cos
+    return cos_or_freqs, angles.sin, start_positions if start_positions is not None else cos_or_freqs, \
+        token_index if token_index is not None else cos_or_freqs
 
 
 def _index_key(start_positions, token_index) -> tuple:
@@ -549,7 +569,7 @@ def norm_rotate_qk_backward(call, grad_q, grad_k, q, k, weights, norm, eps, angl
     return gq, gk, gw[0].to(weights[0].dtype), gw[1].to(weights[1].dtype)
 
 
-# RoPE fused with the KV-cache write (`_kernel.rope_cache_kernel`): plans per signature, as `plan_for`'s.
+# RoPE fused with the KV-cache write (`kernels.rope_cache_kernel`): plans per signature, as `plan_for`'s.
 _CACHE_PLANS = _memo.memo("launch plans of the KV-cache write", 1024)
 
 
@@ -572,17 +592,15 @@ def _cache_plan(q, k, v, key_cache, value_cache, slots, positions, cos, sin, row
     args = dict(
         q_heads=hq, k_heads=hk, q_rows=hq, k_rows=hk, n_groups=t, inner=chunks, **_magic_args(groups=t, inner=chunks),
         freqs_len=rows, n_slot_entries=slots.shape[0], n_cache_slots=n_blocks * block_size, block_size=block_size,
-        **{f"stride_{name}{role}": st for name, x in (("q", q), ("k", k), ("v", v))
-           for role, st in zip("shd", x.stride(), strict=True)},
-        **{f"stride_{name}{role}": st for name, x in (("kc", key_cache), ("vc", value_cache))
-           for role, st in zip("bohd", x.stride(), strict=True)},
-        stride_fs=cos.stride(0), stride_fd=cos.stride(1), stride_ps=positions.stride(0), stride_slot=slots.stride(0),
+        q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(), key_cache_strides=key_cache.stride(),
+        value_cache_strides=value_cache.stride(), stride_fs=cos.stride(0), stride_fd=cos.stride(1),
+        stride_ps=positions.stride(0), stride_slot=slots.stride(0),
         HEAD_DIM=d, ROT_DIM=rot, INTERLEAVED=interleaved, BLOCK_R=block_r, BLOCK_HALF=block_half,
         BLOCK_TAIL=block_tail, BLOCK_D=triton.next_power_of_2(d), RNE_BF16=INTERPRET and q.dtype == torch.bfloat16,
         SPLIT=chunks > 1, FP8=fp8, FP8_BITS=INTERPRET and fp8,
     )
-    return Plan(rope_cache_kernel, (t * chunks, 1, 1), kernel_args(rope_cache_kernel, args), num_warps,
-                q.device, (True,))
+    return Plan(rope_cache_kernel, (t * chunks, 1, 1), kernel_args(rope_cache_kernel, CACHE_POINTERS, args),
+                num_warps, q.device, (True,))
 
 
 def rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, rows, interleaved, fp8=False,

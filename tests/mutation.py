@@ -3,14 +3,14 @@
     python -m tests.mutation [rope/FILE.py ...] [--jobs N] [--sample K] [--seed S] [--minutes M] [--out mutation.md]
                              [--rerun OLD.json] [--match REGEX] [--tests "PYTEST ARGS"] [--baseline-only]
 
-Files: every rope/*.py found at run time, unless named. The tree is copied once per job (`--jobs`, default 1) to a
-temporary directory: mutants are written there, never here. cosmic-ray's `init` lists every mutant of the files
-(operator, occurrence, position) in a session database; `--sample K` takes K of each file's mutants, uniformly at
-random (`--seed`), else all run; `--rerun OLD.json` runs only the survivors of an earlier run (matched by file,
-operator and diff), `--match REGEX` only the mutants where it finds 'FILE:LINE OPERATOR LINE-TEXT' (the line's
-source). Mutants are queued round-robin over the files, so that a run cut short by `--minutes` (the budget of the
-whole run, all jobs) still leaves each file a uniform random sample; a mutant that does not finish in time is not
-counted.
+Files: every .py file under rope/ found at run time, unless named. The tree is copied once per job (`--jobs`,
+default 1) to a temporary directory: mutants are written there, never here. cosmic-ray's `init` lists every mutant
+of the files (operator, occurrence, position) in a session database; `--sample K` takes K of each file's mutants,
+uniformly at random (`--seed`), else all run; `--rerun OLD.json` runs only the survivors of an earlier run (matched
+by file, operator and diff), `--match REGEX` only the mutants where it finds 'FILE:LINE OPERATOR LINE-TEXT' (the
+line's source). Mutants are queued round-robin over the files, so that a run cut short by `--minutes` (the budget of
+the whole run, all jobs) still leaves each file a uniform random sample; a mutant that does not finish in time is
+not counted.
 
 Each job is a Python process in its own copy that imports torch, triton, hypothesis and pytest once (most of a
 pytest start) and forks per mutant: it writes the mutant into its copy, the child runs the file's SELECTION
@@ -102,7 +102,12 @@ SELECTION = {
                       + " " + nodes("test_native.py", "test_forward[hf]", folder="tests/conformance")
                       + " " + nodes("test_compile.py", "test_conventions_trace_as_the_reference"),
     "rope/_launch.py": f"{PROPS} {KERNEL} {API} {QK}",
-    "rope/_kernel.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/rope/test_mrope.py",
+    "rope/kernels/_common.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/rope/test_mrope.py tests/rope/test_qknorm.py "
+                               "tests/rope/test_serving.py",
+    "rope/kernels/rope.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/rope/test_mrope.py",
+    "rope/kernels/qknorm.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_qknorm.py tests/conformance/test_native.py -k qknorm",
+    "rope/kernels/cache_write.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_serving.py tests/conformance/test_native.py "
+                                   "-k cache",
     "rope/_ops.py": nodes("test_compile.py", "test_opcheck", "test_compiled_errors_on_bad_input",
                           "test_fullgraph_matches_eager_and_never_recompiles[interleaved-sbhd]",
                           "test_fullgraph_matches_eager_and_never_recompiles[halfsplit-thd]"),
@@ -490,7 +495,7 @@ class Campaign:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.mutation", description=__doc__.split("\n")[0])
-    parser.add_argument("files", nargs="*", help="files of rope/ (default: every rope/*.py)")
+    parser.add_argument("files", nargs="*", help="files of rope/ (default: every .py under rope/)")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run in parallel, each job in its own copy")
     parser.add_argument("--sample", type=int, default=None, help="K mutants per file, uniformly at random")
     parser.add_argument("--seed", type=int, default=0, help="of the sample and of the order")
@@ -508,7 +513,7 @@ def main(argv=None) -> int:
     if args.serve:
         serve()
         return 0
-    files = args.files or sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "rope").glob("*.py"))
+    files = args.files or sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "rope").rglob("*.py"))
     with tempfile.TemporaryDirectory(prefix="rope-mutation-") as tmp:
         work = Path(tmp)
         copy_tree(work / "job0")

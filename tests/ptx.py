@@ -2,7 +2,10 @@
 
     python -m tests.ptx                 # sm_90, a few representative variants
     python -m tests.ptx --arch 80
-    python -m tests.ptx --compare old_kernel.py   # same PTX as another version of rope/_kernel.py?
+    python -m tests.ptx --compare OLD               # same PTX as another version of the kernels?
+
+OLD is a copy of the kernels of another version: a package directory like rope/kernels/, or a single module holding
+the four kernels (rope/_kernel.py in versions without rope/kernels/: `git show REV:rope/_kernel.py > OLD.py`).
 
 What it answers without device time: are the global loads and stores 16 bytes wide
 (`ld.global.v4.b32`), how many sin/cos each thread evaluates (inlined libdevice `__nv_sinf`
@@ -14,19 +17,36 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections import Counter
 
 import triton
 from triton.backends.compiler import GPUTarget
 
-from rope import _kernel
+from rope import kernels
 
 CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "INTERLEAVED", "BACKWARD", "IS_THD", "GROUP_PER_BATCH", "HAS_START", "USE_CP",
               "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE", "SPLIT", "FANOUT",
-              "POS_TABLE", "HALF_TABLE", "MROPE", "SEC0", "SEC1", "SEC2", "PDL", "NORM", "BLOCK_D", "FP8", "FP8_BITS")
-# pointer types other than the tensors' dtype (cache kernel: the caches are e4m3 with fp8)
-POINTERS = {"freqs_ptr": "*fp32", "start_ptr": "*i32", "part_ptr": "*fp32", "slot_ptr": "*i64", "pos_ptr": "*i64",
-            "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": None}
+              "POS_TABLE", "HALF_TABLE", "MROPE", "SEC0", "SEC1", "SEC2", "QK", "PDL", "NORM", "BLOCK_D", "FP8",
+              "FP8_BITS")
+# pointer types other than the tensors' dtype (cache kernel: the caches are e4m3 with fp8), by the pointer's role
+POINTERS = {"cos_or_freqs_ptr": "*fp32", "start_positions_ptr": "*i32", "weight_grad_partials_ptr": "*fp32",
+            "slot_mapping_ptr": "*i64", "positions_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+            "cos_table_ptr": "*fp32", "sin_table_ptr": "*fp32"}
+# The pointers' names in the single-file kernels (rope/_kernel.py), which --compare may be given: name -> role
+_OLD_POINTER_NAMES = {"qo_ptr": "q_out_ptr", "ko_ptr": "k_out_ptr", "freqs_ptr": "cos_or_freqs_ptr",
+                      "start_ptr": "start_positions_ptr", "cu_ptr": "cu_seqlens_or_positions_ptr",
+                      "wq_ptr": "q_weight_ptr", "wk_ptr": "k_weight_ptr", "sq_ptr": "q_input_ptr",
+                      "sk_ptr": "k_input_ptr", "part_ptr": "weight_grad_partials_ptr", "kc_ptr": "key_cache_ptr",
+                      "vc_ptr": "value_cache_ptr", "slot_ptr": "slot_mapping_ptr", "pos_ptr": "positions_ptr",
+                      "cos_ptr": "cos_table_ptr", "ks_ptr": "k_scale_ptr", "vs_ptr": "v_scale_ptr"}
+
+
+def _pointer_role(kernel, name: str) -> str:
+    """What a pointer argument holds, under the current kernels' names (an older kernel's names are mapped)."""
+    if name == "sin_ptr" and "cos_ptr" in kernel.arg_names:  # the single-file cache kernel's half sin table
+        return "sin_table_ptr"
+    return _OLD_POINTER_NAMES.get(name, name)
 
 
 def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=False, backward=False, thd=False,
@@ -41,7 +61,8 @@ def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=Fa
                   BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, RNE_BF16=False, PIN=True, INPLACE=inplace,
                   TABLE=table, SPLIT=split, FANOUT=32 if thd and not pos_table else 1,
                   POS_TABLE=pos_table, HALF_TABLE=False, MROPE=mrope, SEC0=sections[0], SEC1=sections[1],
-                  SEC2=sections[2], PDL=pdl, NORM=norm, BLOCK_D=triton.next_power_of_2(d), FP8=fp8, FP8_BITS=False)
+                  SEC2=sections[2], QK=True, PDL=pdl, NORM=norm, BLOCK_D=triton.next_power_of_2(d), FP8=fp8,
+                  FP8_BITS=False)
     values = {name: v for name, v in values.items() if name in kernel.arg_names}  # an older kernel may lack some
     cache_type = "*fp8e4nv" if fp8 else "*" + dtype
     signature, constexprs, attrs = {}, dict(values), {}
@@ -49,10 +70,20 @@ def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=Fa
         if name in CONSTEXPRS:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            types = {**POINTERS, "cu_ptr": "*i64" if pos_table else "*i32", "kc_ptr": cache_type, "vc_ptr": cache_type,
-                     "sin_ptr": "*fp32" if "cos_ptr" in kernel.arg_names else "*" + dtype}
-            signature[name] = types.get(name) or "*" + dtype
+            types = {**POINTERS, "cu_seqlens_or_positions_ptr": "*i64" if pos_table else "*i32",
+                     "key_cache_ptr": cache_type, "value_cache_ptr": cache_type}
+            signature[name] = types.get(_pointer_role(kernel, name)) or "*" + dtype
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name.endswith("_strides"):  # a tensor's strides, one tuple: the last, its channels', of a contiguous one
+            rank = 3 if name == "positions_strides" or ("key_cache_ptr" in kernel.arg_names
+                                                         and name in ("q_strides", "k_strides", "v_strides")) else 4
+            unit = rank - 1 if name != "positions_strides" else None
+            signature[name] = tuple("constexpr" if j == unit else "i64" for j in range(rank))
+            for j in range(rank):
+                if j == unit:
+                    constexprs[(i, j)] = 1
+                else:
+                    attrs[(i, j)] = [["tt.divisibility", 16]]
         elif name.startswith("stride") and name.endswith("d"):  # last-dim strides of contiguous tensors
             signature[name] = "constexpr"
             constexprs[name] = 1
@@ -123,40 +154,56 @@ def _code(ptx: str) -> str:
     return "\n".join(line for line in lines if line and not line.startswith((".loc", ".file", "$L__tmp")))
 
 
-def compare(old_path: str, arch: int = 90) -> int:
-    """Compile every variant with the kernels of `old_path` (a copy of rope/_kernel.py, e.g. from
-    `git show REV:rope/_kernel.py`) and with the current ones; print which differ, return how many.
-    Identical PTX means a refactoring changed nothing the GPU runs, for these variants."""
+def _load_kernels(path: str):
+    """The kernels of another version: a package directory (its __init__ names the kernels) or a single module."""
     import importlib.util
+    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("rope_kernel_old", old_path)
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
+    where = Path(path)
+    if where.is_dir():
+        spec = importlib.util.spec_from_file_location("rope_kernels_compared", where / "__init__.py",
+                                                      submodule_search_locations=[str(where)])
+    else:
+        spec = importlib.util.spec_from_file_location("rope_kernels_compared", where)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a package's modules import each other by relative name
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare(old_path: str, arch: int = 90) -> int:
+    """Compile every variant with the kernels of `old_path` (`_load_kernels`) and with the current ones, kernel by
+    kernel name; print which differ, return how many. Identical PTX means a refactoring changed nothing the GPU
+    runs, for these variants. PTX names a kernel's parameters by position (`NAME_param_3`) and its inlined helpers
+    not at all, so renamed parameters and helpers leave it unchanged; the kernel's own name is replaced by K, and
+    comments, debug sections and line records are dropped (`_code`). Each pointer gets its type by role
+    (`_pointer_role`), whatever its name in either version."""
+    old = _load_kernels(old_path)
     differ = 0
     for kernel_name, variants in KERNELS.items():
-        if not hasattr(old, kernel_name):  # an older kernel module may lack the later kernels
+        if not hasattr(old, kernel_name):  # an older version may lack the later kernels
             continue
-        kernel, old_kernel = getattr(_kernel, kernel_name), getattr(old, kernel_name)
+        kernel, old_kernel = getattr(kernels, kernel_name), getattr(old, kernel_name)
         for name, kw in variants:
-            new_code = _code(compile_variant(kernel, arch, **kw).asm["ptx"]).replace(kernel.fn.__name__, "K")
-            old_code = _code(compile_variant(old_kernel, arch, **kw).asm["ptx"]).replace(kernel.fn.__name__, "K")
+            new_code = _code(compile_variant(kernel, arch, **kw).asm["ptx"]).replace(kernel_name, "K")
+            old_code = _code(compile_variant(old_kernel, arch, **kw).asm["ptx"]).replace(kernel_name, "K")
             same = new_code == old_code
             differ += not same
-            print(f"{kernel.fn.__name__:18s} {name:32s} {'identical' if same else 'DIFFERENT'}")
+            print(f"{kernel_name:18s} {name:32s} {'identical' if same else 'DIFFERENT'}", flush=True)
     return differ
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90)
-    parser.add_argument("--compare", metavar="OLD_KERNEL_PY")
+    parser.add_argument("--compare", metavar="OLD", help="the kernels of another version: a directory or a .py file")
     args = parser.parse_args(argv)
     if args.compare:
         raise SystemExit(1 if compare(args.compare, args.arch) else 0)
     for kernel_name, variants in KERNELS.items():
-        kernel = getattr(_kernel, kernel_name)
+        kernel = getattr(kernels, kernel_name)
         for name, kw in variants:
-            print(f"{kernel.fn.__name__:18s} {name:32s} {summarize(compile_variant(kernel, args.arch, **kw))}")
+            print(f"{kernel_name:18s} {name:32s} {summarize(compile_variant(kernel, args.arch, **kw))}")
 
 
 if __name__ == "__main__":

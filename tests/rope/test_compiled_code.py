@@ -31,11 +31,11 @@ VARIANTS = {
 # from a child process without it (a few seconds for all variants).
 _SCRIPT = """
 import json, sys
-from rope import _kernel
+from rope import kernels
 from tests import ptx
 out = {}
 for name, kw in json.loads(sys.argv[1]).items():
-    out[name] = ptx.compile_variant(_kernel.rope_kernel, **kw).asm["ptx"]
+    out[name] = ptx.compile_variant(kernels.rope_kernel, **kw).asm["ptx"]
 print(json.dumps(out))
 """
 

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 import rope
-from rope import _kernel, reference
+from rope import reference
+from rope.kernels import _common
 
 from .cases import (  # noqa: F401
     DEVICE,
@@ -344,7 +345,7 @@ def test_per_token_positions_checked_once_per_unmodified_tensor(monkeypatch, sha
     assert len(calls) == 2
 
 
-# The launcher's 1-D program order (rope._kernel, "Work decomposition"): `inner`, the number of a
+# The launcher's 1-D program order (docs/design.md, "Work decomposition"): `inner`, the number of a
 # group's row chunks that are adjacent in memory, for layouts with several chunks per group.
 # "chunks": all of a group's chunks (its rows are contiguous). Every output element must be
 # written exactly right whatever the order, so each case also runs against the reference.
@@ -420,7 +421,7 @@ def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomp
 
 
 # thd: each program finds its token's sequence by a FANOUT-way search of cu_seqlens over several
-# rounds once there are more sequences than lanes (rope._kernel._sequence_of). Many sequences,
+# rounds once there are more sequences than lanes (rope.kernels._common._sequence_of). Many sequences,
 # most of them empty (a run of equal entries that "largest q" must skip), with the launcher's
 # fanout and with narrow ones that take many rounds; start_positions make a wrong sequence index
 # visible even where two sequences would give a token the same position.
@@ -512,7 +513,7 @@ def test_program_index_division_constants():
 @triton.jit
 def _divide(n_ptr, q_ptr, r_ptr, d, m, N: tl.constexpr):
     i = tl.arange(0, N)
-    q, r = _kernel._divmod(tl.load(n_ptr + i), d, m)
+    q, r = _common._divmod(n=tl.load(n_ptr + i), d=d, magic=m)
     tl.store(q_ptr + i, q)
     tl.store(r_ptr + i, r)
 

@@ -172,8 +172,8 @@ OVERFLOW_EXPECTED = pytest.mark.filterwarnings("ignore:overflow encountered in m
 @OVERFLOW_EXPECTED
 @pytest.mark.parametrize("scale", [0.0375, 0.004])
 def test_fp8_store_equals_the_division_for_every_bf16_value(scale):
-    """The kernel divides by the scale without a division per element (`rope._kernel._to_cache`): its bytes equal
-    vLLM's rounded quotient for every value."""
+    """The kernel divides by the scale without a division per element (`rope.kernels._common._to_cache`): its bytes
+    equal vLLM's rounded quotient for every value."""
     got, want = _every_bf16_stored(scale)
     assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} bytes differ"
 
@@ -194,9 +194,9 @@ def _unguarded(x, scale, inv):
 @pytest.mark.skipif(ON_GPU, reason="replaces a kernel helper, which only the interpreter resolves at each call")
 @pytest.mark.parametrize("helper,scale", [(_product_only, 0.0375), (_unguarded, 0.004)], ids=["product", "unguarded"])
 def test_fp8_division_check_catches_planted_roundings(monkeypatch, helper, scale):
-    import rope._kernel
+    import rope.kernels._common
 
-    monkeypatch.setattr(rope._kernel, "_quotient", helper)
+    monkeypatch.setattr(rope.kernels._common, "_quotient", helper)
     got, want = _every_bf16_stored(scale)
     assert not torch.equal(got, want)
 
