@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from . import run, spec
+from .spec import domains
 
 ZOO_EXAMPLES = 150
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +51,11 @@ def falsify(name, prop, fn, declared=None, max_examples=ZOO_EXAMPLES):
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def probe(data):
-        check(conv, fn, caps, data.draw(conv.plans(caps)))
+        plan = data.draw(conv.plans(caps))
+        if prop == "backward":
+            check(conv, fn, caps, plan, data.draw(domains.upstreams(caps)))
+        else:
+            check(conv, fn, caps, plan)
 
     with _no_local_constants():
         try:

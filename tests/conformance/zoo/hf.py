@@ -33,11 +33,11 @@ def k_rotates_q(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
 def unsqueeze_dim_ignored(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Positions read along dim 2 whatever unsqueeze_dim says: [b, s, h, d] rotated by the heads' index."""
     out = torch.promote_types(q.dtype, cos.dtype)
-    if unsqueeze_dim == 1:
+    if unsqueeze_dim == 1 or not cos.shape[1]:  # (no tokens: nothing to read along any dim)
         return correct(q, k, cos, sin, position_ids, unsqueeze_dim)
 
     def embed(x):
-        idx = torch.arange(x.shape[2], device=cos.device) % cos.shape[1]
+        idx = torch.arange(x.shape[2], device=cos.device) % max(1, cos.shape[1])
         return _embed(x, cos[:, idx].unsqueeze(1), sin[:, idx].unsqueeze(1), out)
 
     return embed(q), embed(k)
