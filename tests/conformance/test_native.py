@@ -102,3 +102,40 @@ def test_declared_domain(target, name):
     why = not_certified(conv, caps)
     if why:
         pytest.skip(why)
+
+
+# ---- the budget on itself -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("profile,env,want", [
+    (CI_PROFILE, {}, CPU_EXAMPLES),
+    (CI_PROFILE, {"ROPE_MAX_EXAMPLES": "200"}, None),
+    ("nightly", {}, None),
+    ("gpu", {}, None),
+    ("nightly", {"ROPE_MAX_EXAMPLES": "7"}, None),
+])
+def test_budget_follows_the_run(profile, env, want):
+    """The small per-property counts apply to the CI default alone; otherwise the profile decides (with
+    ROPE_MAX_EXAMPLES registered into it by conftest.py)."""
+    for prop in CPU_EXAMPLES:
+        assert examples_for(prop, profile, env) == (want[prop] if want else None), (prop, profile, env)
+
+
+def test_rope_max_examples_reaches_a_property():
+    """As a user runs it: ROPE_MAX_EXAMPLES=N gives a native property N examples, here under the nightly profile
+    (one pytest process on a pure-PyTorch target: a few seconds; test_budget_follows_the_run covers the rest)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    node = f"{Path(__file__).relative_to(root)}::test_forward[hf]"
+    base = {k: v for k, v in os.environ.items() if k not in ("ROPE_MAX_EXAMPLES", "HYPOTHESIS_PROFILE")}
+    for env, want in [({"HYPOTHESIS_PROFILE": "nightly", "ROPE_MAX_EXAMPLES": "3"}, 3)]:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", node, "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+             "--hypothesis-show-statistics", "--hypothesis-seed=0", "--rope-impl=hf:tests.conformance.zoo.hf:correct"],
+            cwd=root, env={**base, **env}, capture_output=True, text=True, timeout=300)
+        generated = re.search(r"during generate phase.*?(\d+) passing", done.stdout, re.S)
+        assert done.returncode == 0 and generated, f"{env}: the run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        assert int(generated.group(1)) == want, f"{env}: {generated.group(1)} examples generated, expected {want}"
