@@ -142,3 +142,31 @@ def test_through_rope_impl():
         assert got["status"] == 1 and got["failed"] == 1, f"{broken} was not caught: {got}"
         got = results[correct]
         assert got["status"] == 0 and got["passed"] == 1, f"{correct} failed: {got}"
+
+
+# Bugs only a declared class exposes (spec/domains.py): caught with the class drawn, passed with it declared off.
+CLASS_BUGS = [
+    ("hf", "mixed_tables_cast_to_q", "forward", {"mixed_tables": False}),
+    ("hf", "empty_returns_flat", "forward", {"empty": False}),
+    ("hf", "grad_read_as_contiguous", "backward", {"strided_grads": False, "expanded_grads": False}),
+    ("hf", "k_grad_batch_by_q_heads", "backward", {"gqa": False}),
+    ("hf", "k_grad_batch_by_q_heads", "backward", {"cos_batch": False}),
+    ("vllm-cache", "block_by_shift", "forward", {"npot_block_size": False}),
+    ("torchtitan-cossin", "explicit_none_positions_as_zero", "forward", {"explicit_defaults": False}),
+]
+
+
+@pytest.mark.parametrize("name,bug,prop,off", CLASS_BUGS, ids=[f"{n}-{b}-{'-'.join(o)}" for n, b, _, o in CLASS_BUGS])
+def test_bug_needs_its_class(name, bug, prop, off):
+    """The planted bug passes once its class is declared off: the class is what catches it."""
+    fn = zoo(name).BUGS[bug][0]
+    assert falsify(name, prop, fn, declared=off, max_examples=60) is None, f"{name}: {bug!r} is caught without {off}"
+
+
+@pytest.mark.parametrize("prop", list(PROPERTIES))
+def test_declared_off_is_not_drawn(prop):
+    """zoo/meta.py's reshape_as_meta (Meta's own reshape) cannot take s = 0: with the empty=false it declares it
+    passes; with s = 0 drawn it fails."""
+    fn = zoo("meta").reshape_as_meta
+    assert falsify("meta", prop, fn, declared=fn.rope_capabilities, max_examples=60) is None
+    assert falsify("meta", prop, fn) is not None, "s = 0 was never drawn"
