@@ -1,8 +1,10 @@
 """A convention: its signature, what it can express, how to draw its arguments, what it defines.
 
-Each module here defines one `Convention` subclass: `NAME`, `SIGNATURE` (its parameters in order), `CAPS`
-(capability -> (default, meaning); a target declares where it differs), `DIFFERENTIABLE` (the arguments whose
-gradient the convention promises; empty where it has no backward), and
+Each module here defines one `Convention` subclass: `NAME`, `SIGNATURE` (its parameters in order), `OPTIONAL`
+(the parameters with a default, and the default: omitted or passed at it, as the plan draws), `DOMAIN` (each
+argument's classes of values, domains.py), `CAPS` (capability -> (default, meaning); a target declares where it
+differs; domains.GENERIC_CAPS are added to every convention), `DIFFERENTIABLE` (the arguments whose gradient the
+convention promises; empty where it has no backward), and
     plans(caps)          a Hypothesis strategy of the call's structure (printable; tensors built from its seed)
     build(plan, arena)   -> Case: the native arguments, every tensor a view into an arena buffer
     effects(case)        -> (the argument names it writes, what it returns: contract.Returned or a tuple of them)
