@@ -205,6 +205,13 @@ def with_explicit(plans: st.SearchStrategy, caps) -> st.SearchStrategy:
     return st.tuples(flag, plans).map(lambda drawn: drawn[1]._replace(explicit_defaults=drawn[0]))
 
 
+def lengths(few: tuple, empty: bool, top: int, small_shapes: bool) -> st.SearchStrategy:
+    """A sequence length: on the CPU from `few` (0 first where `empty`: each class is drawn within a few examples,
+    and Hypothesis starts from the first), on a device also any length up to `top`."""
+    few = (0,) * empty + tuple(few)
+    return st.sampled_from(few) if small_shapes else st.one_of(st.sampled_from(few), st.integers(1, top))
+
+
 def explicit_defaults(draw, caps) -> bool:
     """Drawn by a plan strategy: whether the call passes its optional arguments at their defaults explicitly."""
     return draw(st.booleans()) if caps.get("explicit_defaults", True) else False

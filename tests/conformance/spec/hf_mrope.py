@@ -145,7 +145,7 @@ class HFMRoPE(Convention):
             hq = draw(st.integers(1, lim["h"]))
             hk = draw(st.integers(1, hq)) if caps["gqa"] else hq
             b = draw(st.integers(1, lim["b"]))
-            s = draw(st.sampled_from((0,) * caps.get("empty", False) + (1, 3, 1, 2, lim["s"])))
+            s = draw(domains.lengths((1, 3, 1, 2, lim["s"]), caps.get("empty", False), lim["s"], small()))
             d = draw(st.sampled_from(lim["dims"] + (lim["odd"] if partial else ())))
             rot = draw(st.sampled_from(rotary_widths(d, small()))) if partial and (d % 2 or d > 2 and draw(
                 st.booleans())) else d

@@ -91,7 +91,7 @@ class Meta(Convention):
             hq = draw(st.sampled_from(lim["h"]))
             hk = draw(st.sampled_from([h for h in lim["h"] if h <= hq])) if caps["gqa"] else hq
             b = draw(st.integers(1, lim["b"]))
-            s = draw(st.sampled_from((0,) * caps["empty"] + (1, 3, 1, 2, lim["s"])))
+            s = draw(domains.lengths((1, 3, 1, 2, lim["s"]), caps["empty"], lim["s"], small()))
             tables = ("seq", "one", "batch") + (("expanded",) if caps["strides"] else ()) if caps["per_token"] \
                 else ("seq",)
             table = draw(st.sampled_from(tables))

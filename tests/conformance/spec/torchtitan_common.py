@@ -73,7 +73,7 @@ class TorchTitan(Convention):
             dtype = draw(st.sampled_from(caps["dtypes"]))
             n = draw(st.sampled_from(lim["h"]))
             nk = draw(st.sampled_from([h for h in lim["h"] if h <= n])) if caps["gqa"] else n
-            t = draw(st.sampled_from((0,) * caps["empty"] + (1, 3, 2, 1, lim["t"] - 1, lim["t"])))
+            t = draw(domains.lengths((1, 3, 2, 1, lim["t"] - 1, lim["t"]), caps["empty"], lim["t"], small()))
             positions = draw(st.booleans()) if caps["positions"] else False
             rows = draw(st.integers(1, t + lim["extra"])) if positions else t + draw(st.sampled_from((0, 0, 1, 3)))
             strides = caps["strides"]
