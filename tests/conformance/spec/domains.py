@@ -92,6 +92,12 @@ def table_dtypes(dtype, caps, float32_cap: str = "float32_tables", mixed_cap: st
     return tuple(out)
 
 
+def any_dtype(dtype) -> tuple:
+    """Every float dtype a tensor the convention takes in 'any' dtype may have with an input of `dtype`: the
+    input's, float32, the other 16-bit one (a 16-bit one with a float32 input)."""
+    return (torch.float32,) + tuple(t for t in SIXTEEN if t != dtype) + (dtype,)
+
+
 def table_16bit_float32_input(get: Callable, cap: str = "", off: Callable = None) -> Class:
     return cls("16-bit table, float32 input", lambda p, c: get(p)[0] == torch.float32 and get(p)[1] in SIXTEEN,
                cap, off)

@@ -76,7 +76,7 @@ class QKNorm(Convention):
             b, s = draw(st.integers(1, lim["b"])), draw(st.integers(1, lim["s"]))
             strides = caps["strides"]
             return Plan(
-                draw(seeds()), dtype, draw(st.sampled_from((torch.float32, dtype)))
+                draw(seeds()), dtype, draw(st.sampled_from(domains.any_dtype(dtype)))
                 if caps["weight_dtypes"] == "any" else dtype,
                 draw(st.sampled_from(domains.table_dtypes(dtype, {**caps, "float32_tables": True}))),
                 b, hq, draw(st.integers(1, hq)), s, d, rot, draw(st.sampled_from(caps["unsqueeze_dim"])),
@@ -245,7 +245,8 @@ CONVENTION = QKNorm()
 
 
 def _weights() -> tuple:
-    return domains.pairings(lambda p: (p.dtype, p.weight_dtype), "", "weight_dtypes", mixed_off=lambda caps: True,
+    return domains.pairings(lambda p: (p.dtype, p.weight_dtype), "", "weight_dtypes",
+                            mixed_off=lambda caps: caps["weight_dtypes"] != "any",
                             float32_off=lambda caps: caps["weight_dtypes"] != "any")
 
 

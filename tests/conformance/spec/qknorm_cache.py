@@ -98,7 +98,7 @@ class QKNormCache(Convention):
             strides = caps["strides"]
 
             def dtypes(cap):
-                return draw(st.sampled_from((dtype, torch.float32))) if caps[cap] == "any" else dtype
+                return draw(st.sampled_from(domains.any_dtype(dtype))) if caps[cap] == "any" else dtype
 
             return Plan(
                 draw(seeds()), dtype, dtypes("weight_dtypes"), dtypes("cache_dtypes"),
@@ -234,7 +234,8 @@ CONVENTION = QKNormCache()
 
 
 def _dtype_pair(get, cap) -> tuple:
-    return domains.pairings(get, "", cap, mixed_off=lambda caps: True, float32_off=lambda caps: caps[cap] != "any")
+    return domains.pairings(get, "", cap, mixed_off=lambda caps: caps[cap] != "any",
+                            float32_off=lambda caps: caps[cap] != "any")
 
 
 QKNormCache.DOMAIN = {

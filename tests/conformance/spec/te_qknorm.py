@@ -117,7 +117,7 @@ class TEQKNorm(Convention):
             nd = 3 if fmt == "thd" else 4
             strides = caps["strides"]
             return Plan(
-                draw(seeds()), dtype, draw(st.sampled_from((dtype, torch.float32)))
+                draw(seeds()), dtype, draw(st.sampled_from(domains.any_dtype(dtype)))
                 if caps["weight_dtypes"] == "any" else dtype, draw(st.sampled_from(caps["freqs_dtypes"])), fmt, s,
                 draw(st.integers(1, lim["b"])), lengths, hq, draw(st.integers(1, hq)), d, rot,
                 caps["interleaved"] and draw(st.booleans()),
@@ -313,7 +313,8 @@ CONVENTION = TEQKNorm()
 
 
 def _weight_domain() -> tuple:
-    return domains.pairings(lambda p: (p.dtype, p.weight_dtype), "", "weight_dtypes", mixed_off=lambda caps: True,
+    return domains.pairings(lambda p: (p.dtype, p.weight_dtype), "", "weight_dtypes",
+                            mixed_off=lambda caps: caps["weight_dtypes"] != "any",
                             float32_off=lambda caps: caps["weight_dtypes"] != "any")
 
 

@@ -73,11 +73,12 @@ class VLLMQKNorm(Convention):
             hk = draw(st.integers(1, lim["h"]))
             strides = caps["strides"]
 
-            def dtypes(cap):
-                return draw(st.sampled_from((dtype, torch.float32))) if caps[cap] == "any" else dtype
+            def dtypes(cap, shift=0):  # (the two in other orders: each pairing drawn within the CPU budget)
+                choices = domains.any_dtype(dtype)
+                return draw(st.sampled_from(choices[shift:] + choices[:shift])) if caps[cap] == "any" else dtype
 
             return Plan(
-                draw(seeds()), dtype, dtypes("weight_dtypes"), dtypes("cache_dtypes"),
+                draw(seeds()), dtype, dtypes("weight_dtypes"), dtypes("cache_dtypes", 1),
                 draw(st.sampled_from((torch.int64, torch.int32))) if caps["int32_positions"] else torch.int64,
                 draw(st.integers(1, lim["t"])), draw(st.integers(1, lim["h"])), hk,
                 draw(st.sampled_from((0, hk, hk + 1))), d, rot, draw(st.integers(1, lim["rows"])),
@@ -172,10 +173,11 @@ VLLMQKNorm.DOMAIN = {
                  *domains.sizes(lambda p: p.d, "", empty=False, one=False)),
     "eps": domains.flags(lambda p: p.eps, EPS_VALUES),
     "q_weight": domains.pairings(lambda p: (p.dtype, p.weight_dtype), "", "weight_dtypes",
-                                 mixed_off=lambda caps: True, float32_off=lambda caps: not _any("weight_dtypes")(caps)),
+                                 mixed_off=lambda caps: not _any("weight_dtypes")(caps),
+                                 float32_off=lambda caps: not _any("weight_dtypes")(caps)),
     "k_weight": (domains.cls("q_weight's dtype", lambda p, c: True),),
     "cos_sin_cache": (*domains.pairings(lambda p: (p.dtype, p.cache_dtype), "", "cache_dtypes",
-                                        mixed_off=lambda caps: True,
+                                        mixed_off=lambda caps: not _any("cache_dtypes")(caps),
                                         float32_off=lambda caps: not _any("cache_dtypes")(caps)),
                       *domains.layouts("cos_sin_cache"),
                       *domains.widths(lambda p: (p.rot, p.d))),
