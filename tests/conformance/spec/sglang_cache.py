@@ -42,6 +42,7 @@ class Plan(NamedTuple):
     scales: tuple = (1.0, 1.0)
     n_padded: int = 0
     explicit_defaults: bool = False  # optional arguments passed where they hold their defaults
+    rope_dim_given: bool = False  # rope_dim passed as the rotary width (the cache's), not its default 0
 
     @property
     def n_given(self) -> int:
@@ -93,7 +94,7 @@ class SGLangCache(kvc.KVCacheConvention):
                 draw(st.sampled_from(caps["is_neox"])), packed,
                 Layout((0, 1, 2), (0, draw(st.sampled_from((0, 1, 4))), 0)) if packed else contiguous(3),
                 forms and draw(st.booleans()), t + draw(st.integers(0, lim["pool"])), forms and draw(st.booleans()),
-                draw(st.sampled_from((0, 0, 3))) if strides else 0)
+                draw(st.sampled_from((0, 0, 3))) if strides else 0, rope_dim_given=draw(st.booleans()))
 
         return domains.with_explicit(draw(), caps)
 
@@ -117,7 +118,7 @@ class SGLangCache(kvc.KVCacheConvention):
         k_cache, v_cache = pool(), pool()
         out_loc = arena.place(kvc.slots_for(arena.gen, p.t, p.pool, 0, p.index_dtypes[1]))
         args = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, cos_sin_cache=table, positions=positions,
-                    out_loc=out_loc, is_neox=p.is_neox, rope_dim=0)
+                    out_loc=out_loc, is_neox=p.is_neox, rope_dim=p.rot if p.rope_dim_given else 0)
         return Case(p, args, 8, arena.buffers)
 
 
@@ -148,6 +149,5 @@ SGLangCache.DOMAIN = {
     "out_loc": domains.index_dtypes(lambda p: p.index_dtypes[1], "int32_indices"),
     "is_neox": domains.flags(lambda p: p.is_neox, (True, False), ("half-split (True)", "interleaved (False)"),
                              allowed=lambda caps: caps["is_neox"]),
-    # rope_dim: 0 (the cache's width) is the one value drawn; the rotary width itself is not
-    "rope_dim": domains.optional("rope_dim")[:2],
+    "rope_dim": domains.optional("rope_dim", "the rotary width"),
 }
