@@ -5,8 +5,9 @@ forward(conv, fn, caps, plan): the call's outputs (returned, and written in plac
 backward(conv, fn, caps, plan): the differentiable arguments given as views of tensors that require grad (as
     a projection's q and k are), or as leaves that require grad where the convention says so (conv.leaf_args: then
     the call must accept them, and its outputs are checked as the forward's too), random upstream gradients on every
-    output (laid out as conv.upstream says: contiguous, strided or expanded); each gradient within the accuracy
-    model of the float64 definition's vector-Jacobian product; the upstream gradients left as they were.
+    output, contiguous, strided views or expanded (stride 0), as drawn (`upstream`, then conv.upstream where the
+    convention's plans draw layouts of their own); each gradient within the accuracy model of the float64
+    definition's vector-Jacobian product; the upstream gradients left as they were.
 inverse(conv, fn, caps, plan): the convention's own call with the angles negated undoes the first (oracle-free).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from . import accuracy, pairing
 from .contract import Returned, Snapshot, bits, check_returned
+from .spec.domains import lay_out_upstream, settle_defaults
 from .tensors import Arena
 
 
@@ -22,7 +24,7 @@ def make_case(conv, caps, plan, device=None):
     arena = Arena(plan.seed) if device is None else Arena(plan.seed, device)
     case = conv.build(plan, arena)
     case.caps = caps
-    return case
+    return settle_defaults(conv, case)
 
 
 def inputs64(case, grad=()):
@@ -76,7 +78,7 @@ def forward(conv, fn, caps, plan):
     compare(conv, case, conv.define(case, x64), got, "forward:")
 
 
-def backward(conv, fn, caps, plan):
+def backward(conv, fn, caps, plan, upstream: str = "contiguous"):
     case = make_case(conv, caps, conv.backward_plan(plan, caps))
     names = [n for n in conv.DIFFERENTIABLE if case.args.get(n) is not None]
     x64 = inputs64(case, grad=names)
@@ -99,12 +101,19 @@ def backward(conv, fn, caps, plan):
     if own:  # what a leaf's call wrote and returned, as the forward property checks it without autograd
         compare(conv, case, expect, got, "backward (the forward on a leaf):")
     gen = torch.Generator().manual_seed(plan.seed + 1)
-    ups = {n: conv.upstream(case, n, torch.randn(tuple(got[n].shape), generator=gen, dtype=torch.float64)
-                            .to(got[n].dtype).to(got[n].device)) for n in expect}
-    snap = Snapshot(list(ups.values()))
+    ups = {n: conv.upstream(case, n, lay_out_upstream(torch.randn(tuple(got[n].shape), generator=gen,
+                                                                  dtype=torch.float64).to(got[n].dtype)
+                                                      .to(got[n].device), upstream)) for n in expect}
+    snap = Snapshot([u if u.is_contiguous() else u._base if u._base is not None else u for u in ups.values()])
     for n in expect:
         assert got[n].requires_grad, f"backward: output {n} is outside the autograd graph"
-    torch.autograd.backward([got[n] for n in expect], [ups[n] for n in expect])
+    try:
+        torch.autograd.backward([got[n] for n in expect], [ups[n] for n in expect])
+    except (TypeError, ValueError, RuntimeError) as e:
+        if upstream == "contiguous":
+            raise
+        raise AssertionError(f"backward: the call's backward refused {upstream} upstream gradients (declare "
+                             f"{upstream}_grads=false if it cannot take them): {type(e).__name__}: {e}") from e
     snap.check_unchanged()
     up64 = {n: conv.read(case, n, ups[n]).detach().cpu().double() for n in expect}
     grads = torch.autograd.grad([expect[n].value for n in expect], [x64[n] for n in names],

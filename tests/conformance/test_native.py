@@ -6,27 +6,50 @@
     backward    every promised gradient within the accuracy model of the definition's vector-Jacobian product,
                 from random upstream gradients, with the arguments given as views in the graph; the upstream
                 gradients left alone
-A convention the target does not have is skipped; a capability it declares off is not drawn (the report says
-which). Each convention's own invariants are in test_<convention>.py.
+A convention the target does not have is skipped; a capability it declares off is not drawn, and the skip
+reason of a convention names what is then not certified (spec.domains.declared_off). The convention's own
+invariants run as test_invariant[convention-invariant].
+
+Budget: the Hypothesis profile in force (conftest.py: cpu-interp, gpu, nightly; HYPOTHESIS_PROFILE) and
+ROPE_MAX_EXAMPLES apply to every property here; only the CI default (the cpu-interp profile, no
+ROPE_MAX_EXAMPLES) runs the small per-property counts of CPU_EXAMPLES.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from . import run, spec
+from .spec import domains
 
 CONVENTIONS = spec.available()
-# Examples per property on the CPU (Triton's interpreter runs every kernel program after another): enough to
-# draw every dtype, layout kind and flag of a convention a few times over the CI runs; the GPU profile's 100
-# examples (realistic shapes) are the certification.
+# Examples per property in the CI default (Triton's interpreter runs every kernel program after another): enough to
+# draw every declared class of a convention over its properties together (test_domains.py proves it); the GPU
+# profile's 100 examples (realistic shapes) and the nightly one are the certification.
 CPU_EXAMPLES = {"forward": 10, "backward": 6, "invariant": 4}
+CI_PROFILE = "cpu-interp"
 INVARIANTS = [(name, inv) for name in CONVENTIONS for inv in spec.load(name).INVARIANTS]
 
 
-def budget(prop: str) -> settings:
-    return settings(max_examples=CPU_EXAMPLES[prop]) if spec.small() else settings()
+def current_profile() -> str:
+    get = getattr(settings, "get_current_profile_name", None)
+    return get() if get else getattr(settings, "_current_profile", "default")
+
+
+def examples_for(prop: str, profile: str, env) -> int | None:
+    """The examples property `prop` runs: CPU_EXAMPLES in the CI default, else None (the profile's own count,
+    ROPE_MAX_EXAMPLES included: conftest.py registers it into the profile)."""
+    if profile == CI_PROFILE and not env.get("ROPE_MAX_EXAMPLES"):
+        return CPU_EXAMPLES[prop]
+    return None
+
+
+def budget(prop: str):
+    n = examples_for(prop, current_profile(), os.environ)
+    return settings(max_examples=n) if n is not None else (lambda test: test)
 
 
 def convention_of(target, name):
@@ -35,6 +58,12 @@ def convention_of(target, name):
         pytest.skip(f"{target.name} has no {name} call")
     conv = spec.load(name)
     return conv, fn, conv.caps(target.caps.get(name))
+
+
+def not_certified(conv, caps) -> str:
+    """What the capabilities in force leave out of the certification (for skip reasons and reports)."""
+    off = domains.declared_off(conv, caps)
+    return f"not certified: {'; '.join(off)}" if off else ""
 
 
 @pytest.mark.parametrize("name", CONVENTIONS)
@@ -53,7 +82,8 @@ def test_backward(target, name, data):
     if not conv.DIFFERENTIABLE or not caps.get("backward", True):
         pytest.skip(f"{name}: no backward in this convention" if not conv.DIFFERENTIABLE else
                     f"{target.name} declares no backward for {name}")
-    run.backward(conv, fn, caps, data.draw(conv.plans(caps), label="plan"))
+    run.backward(conv, fn, caps, data.draw(conv.plans(caps), label="plan"),
+                 data.draw(domains.upstreams(caps), label="upstream"))
 
 
 PINNED = [(name, i) for name in CONVENTIONS for i in range(len(spec.load(name).PINS))]
@@ -78,3 +108,50 @@ def test_pinned(target, name, index):
 def test_invariant(target, name, invariant, data):
     conv, fn, caps = convention_of(target, name)
     conv.INVARIANTS[invariant](conv, fn, caps, data.draw(conv.plans(caps), label="plan"))
+
+
+@pytest.mark.parametrize("name", CONVENTIONS)
+def test_declared_domain(target, name):
+    """What the target's declared capabilities leave out of its convention's declared domain: a skip that names
+    each class not certified (argument: class (capability)), a pass when the whole domain is drawn."""
+    conv, _, caps = convention_of(target, name)
+    why = not_certified(conv, caps)
+    if why:
+        pytest.skip(why)
+
+
+# ---- the budget on itself -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("profile,env,want", [
+    (CI_PROFILE, {}, CPU_EXAMPLES),
+    (CI_PROFILE, {"ROPE_MAX_EXAMPLES": "200"}, None),
+    ("nightly", {}, None),
+    ("gpu", {}, None),
+    ("nightly", {"ROPE_MAX_EXAMPLES": "7"}, None),
+])
+def test_budget_follows_the_run(profile, env, want):
+    """The small per-property counts apply to the CI default alone; otherwise the profile decides (with
+    ROPE_MAX_EXAMPLES registered into it by conftest.py)."""
+    for prop in CPU_EXAMPLES:
+        assert examples_for(prop, profile, env) == (want[prop] if want else None), (prop, profile, env)
+
+
+def test_rope_max_examples_reaches_a_property():
+    """As a user runs it: ROPE_MAX_EXAMPLES=N gives a native property N examples, here under the nightly profile
+    (one pytest process on a pure-PyTorch target: a few seconds; test_budget_follows_the_run covers the rest)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    node = f"{Path(__file__).relative_to(root)}::test_forward[hf]"
+    base = {k: v for k, v in os.environ.items() if k not in ("ROPE_MAX_EXAMPLES", "HYPOTHESIS_PROFILE")}
+    for env, want in [({"HYPOTHESIS_PROFILE": "nightly", "ROPE_MAX_EXAMPLES": "3"}, 3)]:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", node, "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+             "--hypothesis-show-statistics", "--hypothesis-seed=0", "--rope-impl=hf:tests.conformance.zoo.hf:correct"],
+            cwd=root, env={**base, **env}, capture_output=True, text=True, timeout=300)
+        generated = re.search(r"during generate phase.*?(\d+) passing", done.stdout, re.S)
+        assert done.returncode == 0 and generated, f"{env}: the run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        assert int(generated.group(1)) == want, f"{env}: {generated.group(1)} examples generated, expected {want}"

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from . import run, spec
+from .spec import domains
 
 ZOO_EXAMPLES = 150
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +51,11 @@ def falsify(name, prop, fn, declared=None, max_examples=ZOO_EXAMPLES):
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def probe(data):
-        check(conv, fn, caps, data.draw(conv.plans(caps)))
+        plan = data.draw(conv.plans(caps))
+        if prop == "backward":
+            check(conv, fn, caps, plan, data.draw(domains.upstreams(caps)))
+        else:
+            check(conv, fn, caps, plan)
 
     with _no_local_constants():
         try:
@@ -141,7 +146,7 @@ def test_through_rope_impl():
         module = f"{__package__}.zoo.{name.replace('-', '_')}"
         prefix = "" if name == "te" else f"{name}:"  # TE's convention also as plain module:callable
         targets += [f"{prefix}{module}:{_first_forward_bug(name)}", f"{prefix}{module}:{zoo(name).CORRECT.__name__}"]
-    env = {**os.environ, "ROPE_MAX_EXAMPLES": "40"}
+    env = {**os.environ, "ROPE_MAX_EXAMPLES": "10"}  # the forward property's CI count: every bug here fails at once
     done = subprocess.run([sys.executable, "-m", f"{__package__}.cli_check", *targets], cwd=ROOT, capture_output=True,
                           text=True, env=env, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
@@ -152,3 +157,31 @@ def test_through_rope_impl():
         assert got["status"] == 1 and got["failed"] == 1, f"{broken} was not caught: {got}"
         got = results[correct]
         assert got["status"] == 0 and got["passed"] == 1, f"{correct} failed: {got}"
+
+
+# Bugs only a declared class exposes (spec/domains.py): caught with the class drawn, passed with it declared off.
+CLASS_BUGS = [
+    ("hf", "mixed_tables_cast_to_q", "forward", {"mixed_tables": False}),
+    ("hf", "empty_returns_flat", "forward", {"empty": False}),
+    ("hf", "grad_read_as_contiguous", "backward", {"strided_grads": False, "expanded_grads": False}),
+    ("hf", "k_grad_batch_by_q_heads", "backward", {"gqa": False}),
+    ("hf", "k_grad_batch_by_q_heads", "backward", {"cos_batch": False}),
+    ("vllm-cache", "block_by_shift", "forward", {"npot_block_size": False}),
+    ("torchtitan-cossin", "explicit_none_positions_as_zero", "forward", {"explicit_defaults": False}),
+]
+
+
+@pytest.mark.parametrize("name,bug,prop,off", CLASS_BUGS, ids=[f"{n}-{b}-{'-'.join(o)}" for n, b, _, o in CLASS_BUGS])
+def test_bug_needs_its_class(name, bug, prop, off):
+    """The planted bug passes once its class is declared off: the class is what catches it."""
+    fn = zoo(name).BUGS[bug][0]
+    assert falsify(name, prop, fn, declared=off, max_examples=60) is None, f"{name}: {bug!r} is caught without {off}"
+
+
+@pytest.mark.parametrize("prop", list(PROPERTIES))
+def test_declared_off_is_not_drawn(prop):
+    """zoo/meta.py's reshape_as_meta (Meta's own reshape) cannot take s = 0: with the empty=false it declares it
+    passes; with s = 0 drawn it fails."""
+    fn = zoo("meta").reshape_as_meta
+    assert falsify("meta", prop, fn, declared=fn.rope_capabilities, max_examples=60) is None
+    assert falsify("meta", prop, fn) is not None, "s = 0 was never drawn"

@@ -1,8 +1,10 @@
 """A convention: its signature, what it can express, how to draw its arguments, what it defines.
 
-Each module here defines one `Convention` subclass: `NAME`, `SIGNATURE` (its parameters in order), `CAPS`
-(capability -> (default, meaning); a target declares where it differs), `DIFFERENTIABLE` (the arguments whose
-gradient the convention promises; empty where it has no backward), and
+Each module here defines one `Convention` subclass: `NAME`, `SIGNATURE` (its parameters in order), `OPTIONAL`
+(the parameters with a default, and the default: omitted or passed at it, as the plan draws), `DOMAIN` (each
+argument's classes of values, domains.py), `CAPS` (capability -> (default, meaning); a target declares where it
+differs; domains.GENERIC_CAPS are added to every convention), `DIFFERENTIABLE` (the arguments whose gradient the
+convention promises; empty where it has no backward), and
     plans(caps)          a Hypothesis strategy of the call's structure (printable; tensors built from its seed)
     build(plan, arena)   -> Case: the native arguments, every tensor a view into an arena buffer
     effects(case)        -> (the argument names it writes, what it returns: contract.Returned or a tuple of them)
@@ -44,9 +46,14 @@ class Case:
     positional: int  # how many of args go positionally
     buffers: list = field(default_factory=list)
     caps: dict = field(default_factory=dict)  # the capabilities in force (set by the runner)
+    omit: tuple = ()  # optional arguments the call leaves out while they hold their default (domains.py)
+    optional: dict = field(default_factory=dict)  # optional argument -> its default
 
     def call(self, fn):
-        names = list(self.args)
+        from .domains import is_default
+
+        names = [n for n in self.args
+                 if n not in self.omit or not is_default(self.args[n], self.optional.get(n))]
         return fn(*(self.args[n] for n in names[:self.positional]),
                   **{n: self.args[n] for n in names[self.positional:]})
 
@@ -54,6 +61,10 @@ class Case:
 class Convention:
     NAME = ""
     SIGNATURE: tuple = ()
+    # optional argument -> its default: omitted, or passed at it explicitly, as the plan draws (domains.py)
+    OPTIONAL: dict = {}
+    # argument -> its declared classes of values (domains.py); every class is drawn by `plans`
+    DOMAIN: dict = {}
     CAPS: dict = {}
     DIFFERENTIABLE: tuple = ()
     # The convention's own invariants: name -> check(conv, fn, caps, plan), run as run.forward is (test_native.py
@@ -67,10 +78,18 @@ class Convention:
         """The capabilities in force: the defaults, overridden by what the target declares (unknown keys are
         an error, so that a typo cannot silently widen or narrow a certification)."""
         declared = declared or {}
-        unknown = set(declared) - set(self.CAPS)
+        known = self.all_caps()
+        unknown = set(declared) - set(known)
         if unknown:
-            raise ValueError(f"{self.NAME}: unknown capabilities {sorted(unknown)}; known: {sorted(self.CAPS)}")
-        return {**{k: v[0] for k, v in self.CAPS.items()}, **declared}
+            raise ValueError(f"{self.NAME}: unknown capabilities {sorted(unknown)}; known: {sorted(known)}")
+        return {**{k: v[0] for k, v in known.items()}, **declared}
+
+    def all_caps(self) -> dict:
+        """CAPS with the capabilities every convention has (domains.GENERIC_CAPS, and the upstream gradients'
+        layouts where it is differentiable)."""
+        from .domains import generic_caps
+
+        return {**generic_caps(self), **self.CAPS}
 
     def plans(self, caps: dict):
         raise NotImplementedError
@@ -127,11 +146,18 @@ def small() -> bool:
 
 
 def head_and_rotary(draw, dims, partial: bool) -> tuple:
-    """(head dim d, rotary width rot) drawn by a plan strategy: d from `dims` (odd ones only where partial rotary
-    is a capability, since an odd head leaves a channel unrotated), rot = d, or, partial, any even width <= d."""
-    d = draw(st.sampled_from(dims if partial else tuple(v for v in dims if v % 2 == 0)))
-    rot = 2 * draw(st.integers(1, d // 2)) if partial and draw(st.booleans()) else d - d % 2
-    return d, rot
+    """(head dim d, rotary width rot) drawn by a plan strategy, its kind first (so that each is drawn often in a
+    few examples): the whole head (even d, rot = d); partial rotary where it is a capability, an even d with a
+    narrower even rot, or an odd d (a channel past every pair) with any even rot below it."""
+    even = tuple(v for v in dims if v % 2 == 0)
+    wide, odd = tuple(v for v in even if v > 2), tuple(v for v in dims if v % 2)
+    kinds = ("whole",) + ((("narrower",) if wide else ()) + (("odd",) if odd else ()) if partial else ())
+    kind = draw(st.sampled_from(kinds))
+    if kind == "whole":
+        d = draw(st.sampled_from(even))
+        return d, d
+    d = draw(st.sampled_from(wide if kind == "narrower" else odd))
+    return d, 2 * draw(st.integers(1, d // 2 - (kind == "narrower")))
 
 
 def load(name: str) -> Convention:

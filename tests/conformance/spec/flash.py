@@ -23,7 +23,7 @@ from ..compare import assert_bitwise, assert_undone, assert_within
 from ..contract import Returned, same_memory
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, head_and_rotary, small
+from . import Case, Convention, Expect, domains, head_and_rotary, small
 
 
 class Plan(NamedTuple):
@@ -46,6 +46,7 @@ class Plan(NamedTuple):
     sin_layout: Layout
     offsets_layout: Layout
     leaf: bool = False  # with inplace, the backward property passes x as a leaf that requires grad
+    explicit_defaults: bool = False  # the optional arguments passed where they hold their defaults
 
 
 def limits():
@@ -80,7 +81,10 @@ class Flash(Convention):
         "strides": (True, "views: x permuted and padded, cos/sin and seqlen_offsets sliced from wider buffers"),
         "backward": (True, "the gradient of x"),
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
+        "mixed_tables": (True, "cos/sin in the other 16-bit dtype than x (float16 with bfloat16, the reverse), or "
+                               "16-bit with float32 x"),
     }
+    OPTIONAL = {"interleaved": False, "inplace": False, "seqlen_offsets": 0, "cu_seqlens": None, "max_seqlen": None}
 
     def plans(self, caps):
         lim = limits()
@@ -88,12 +92,12 @@ class Flash(Convention):
         @st.composite
         def draw(draw):
             dtype = draw(st.sampled_from(caps["dtypes"]))
-            table_dtype = draw(st.sampled_from((dtype, torch.float32))) if caps["float32_tables"] else dtype
+            table_dtype = draw(st.sampled_from(domains.table_dtypes(dtype, caps)))
             varlen = draw(st.booleans()) if caps["varlen"] else False
             n = draw(st.integers(1, lim["n"]))
             if varlen:
                 low = 0 if caps["empty_sequences"] else 1
-                lengths = tuple(draw(st.integers(low, lim["s"])) for _ in range(n))
+                lengths = tuple(draw(st.sampled_from(range(low, lim["s"] + 1))) for _ in range(n))
                 if not sum(lengths):
                     lengths = (1, *lengths[1:])
                 max_seqlen = max(lengths) + draw(st.sampled_from((0, 0, 1)))
@@ -115,7 +119,8 @@ class Flash(Convention):
                 draw(layouts(ndim)) if strides else contiguous(ndim),
                 draw(layouts(2)) if strides else contiguous(2), draw(layouts(2)) if strides else contiguous(2),
                 draw(layouts(1)) if strides else contiguous(1),
-                draw(st.booleans()) if inplace and caps["inplace_leaf"] else False)
+                draw(st.booleans()) if inplace and caps["inplace_leaf"] else False,
+                domains.explicit_defaults(draw, caps))
 
         return draw()
 
@@ -291,3 +296,31 @@ Flash.INVARIANTS = {
     "inverse": inverse,
 }
 CONVENTION = Flash()
+
+
+def _tables_domain(layout: str) -> tuple:  # layout: the argument, cos or sin
+    def pair(p):
+        return p.dtype, p.table_dtype
+
+    return (*domains.pairings(pair), domains.table_16bit_float32_input(pair, "mixed_tables"),
+            *domains.layouts(layout),
+            domains.cls("the whole head", lambda p, c: p.rot == p.d),
+            domains.cls("narrower than the head", lambda p, c: p.rot < p.d, "partial"))
+
+
+Flash.DOMAIN = {
+    "x": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("x"),
+          domains.cls("[b, s, h, d]", lambda p, c: not p.varlen),
+          domains.cls("[total, h, d] (varlen)", lambda p, c: p.varlen, "varlen"),
+          domains.cls("a sequence of length 0", lambda p, c: p.varlen and 0 in p.lengths, "empty_sequences"),
+          *domains.sizes(lambda p: p.lengths[0], "", "the first sequence's length", empty=False),
+          domains.cls("a leaf that requires grad (inplace)", lambda p, c: p.leaf, "inplace_leaf")),
+    "cos": _tables_domain("cos"),
+    "sin": _tables_domain("sin"),
+    "interleaved": domains.optional("interleaved", "True", other_off=lambda caps: True not in caps["interleaved"]),
+    "inplace": domains.optional("inplace", "True", "inplace"),
+    "seqlen_offsets": (*domains.optional("seqlen_offsets", "an int or a tensor"),
+                       domains.cls("a tensor [b]", lambda p, c: isinstance(p.offsets, tuple), "tensor_offsets")),
+    "cu_seqlens": domains.optional("cu_seqlens", "a tensor", "varlen"),
+    "max_seqlen": domains.optional("max_seqlen", "an int", "varlen"),
+}

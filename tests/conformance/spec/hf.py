@@ -21,7 +21,7 @@ from ..compare import assert_bitwise, assert_undone, assert_within
 from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, small
+from . import Case, Convention, Expect, domains, small
 
 
 class Plan(NamedTuple):
@@ -41,6 +41,7 @@ class Plan(NamedTuple):
     cos_layout: object  # a Layout, or "expanded" (a [1, s, d] table expanded over the batch: stride 0)
     position_ids: bool
     rotary: int  # r, the tables' width
+    explicit_defaults: bool = False  # position_ids and unsqueeze_dim passed where they hold their default
 
 
 def rotary_widths(d: int, small_shapes: bool) -> list:
@@ -68,7 +69,11 @@ class HF(Convention):
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
         "in_place": (False, "may write q's and k's memory with the result and return views of it (Liger's kernel)"),
         "partial": (True, "cos/sin narrower than the head: rotary width = their width, the rest passed through"),
+        "mixed_tables": (True, "cos/sin in the other 16-bit dtype than q and k (float16 with bfloat16, the reverse: "
+                               "the result is float32, as promoted), or in a 16-bit dtype with float32 q and k"),
+        "empty": (True, "s = 0: empty q, k, cos and sin"),
     }
+    OPTIONAL = {"position_ids": None, "unsqueeze_dim": 1}
     INTERLEAVED = False  # the rotary pairs: (i, i + r/2); GLM's convention pairs (2i, 2i + 1)
 
     def plans(self, caps):
@@ -81,7 +86,8 @@ class HF(Convention):
         @st.composite
         def draw(draw):
             dtype = draw(st.sampled_from(caps["dtypes"]))
-            table_dtype = draw(st.sampled_from((dtype, torch.float32))) if caps["float32_tables"] else dtype
+            # the other 16-bit dtype too (mixed_tables): torch's promotion decides the result's dtype
+            table_dtype = draw(st.sampled_from(domains.table_dtypes(dtype, caps)))
             hq = draw(st.integers(1, lim["h"]))
             hk = draw(st.integers(1, hq)) if caps.get("gqa") else hq
             d = draw(st.sampled_from(lim["dims"] + (lim["odd"] if partial and own_width else ())))
@@ -89,7 +95,9 @@ class HF(Convention):
                 st.booleans())) else d
             # decode (s = 1) half the time: the serving case, and the one where PyTorch leaves the sequence dim's
             # stride free (a kernel taking its row stride from it rotates the wrong rows)
-            b, s = draw(st.integers(1, lim["b"])), draw(st.one_of(st.just(1), st.integers(1, lim["s"])))
+            # and s = 0 (an empty batch of tokens) where the target takes it
+            b = draw(st.integers(1, lim["b"]))
+            s = draw(domains.lengths((1, 3, 1, 2, 1, lim["s"], 1), caps.get("empty", False), lim["s"], small()))
             strides = caps["strides"]
             cos_layout = draw(st.one_of(layouts(3, padded_dims=(1, 2)), st.just("expanded"))) if strides \
                 else contiguous(3)
@@ -99,7 +107,8 @@ class HF(Convention):
                 draw(st.sampled_from((1, b))) if caps["cos_batch"] else 1,
                 draw(st.booleans()) if caps["elementwise_tables"] else True,
                 draw(layouts(4)) if strides else contiguous(4), draw(layouts(4)) if strides else contiguous(4),
-                cos_layout, draw(st.booleans()) if caps.get("position_ids") else False, rotary)
+                cos_layout, draw(st.booleans()) if caps.get("position_ids") else False, rotary,
+                domains.explicit_defaults(draw, caps))
 
         return draw()
 
@@ -285,5 +294,44 @@ INVARIANTS = {
     "partial_is_sliced": partial_is_sliced,
 }
 HF.INVARIANTS = INVARIANTS
+
+
+def heads_domain(x: str) -> tuple:
+    """q's (or x's) classes: its dtype, its sequence length, its layout."""
+    return (*domains.dtypes(lambda p: p.dtype),
+            *domains.sizes(lambda p: p.s, "empty", "s"),
+            *domains.layouts(x))
+
+
+def tables_domain(arg: str = "cos") -> tuple:
+    """cos's (and sin's) classes: the dtype pairing with q, the layout, the batch, the width, the halves."""
+    def pair(p):
+        return p.dtype, p.table_dtype
+
+    return (*domains.pairings(pair),
+            domains.table_16bit_float32_input(pair, "mixed_tables"),
+            *domains.layouts(arg, expanded=True),
+            domains.cls("batch 1", lambda p, c: p.cos_batch == 1),
+            domains.cls("batch b > 1", lambda p, c: p.cos_batch > 1, "cos_batch"),
+            domains.cls("whole head", lambda p, c: c.args["cos"].shape[-1] == p.d),
+            domains.cls("narrower than the head", lambda p, c: c.args["cos"].shape[-1] < p.d, "partial"),
+            domains.cls("halves equal", lambda p, c: p.equal_halves),
+            domains.cls("halves differ", lambda p, c: not p.equal_halves, "elementwise_tables"))
+
+
+def unsqueeze_domain() -> tuple:
+    return domains.optional("unsqueeze_dim", "2", other_off=lambda caps: 2 not in caps["unsqueeze_dim"])
+
+
+HF.DOMAIN = {
+    "q": heads_domain("q"),
+    "k": (*domains.layouts("k"),
+          domains.cls("as many heads as q", lambda p, c: p.hk == p.hq),
+          domains.cls("fewer heads than q (GQA)", lambda p, c: p.hk < p.hq, "gqa")),
+    "cos": tables_domain(),
+    "sin": tables_domain("sin"),
+    "position_ids": domains.optional("position_ids", "a tensor", cap="position_ids"),
+    "unsqueeze_dim": unsqueeze_domain(),
+}
 
 CONVENTION = HF()

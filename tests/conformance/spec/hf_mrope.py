@@ -25,7 +25,7 @@ from ..compare import assert_bitwise, assert_within
 from ..contract import Returned
 from ..run import inputs64, make_case
 from ..tensors import Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, small
+from . import Case, Convention, Expect, domains, small
 from .hf import HF, rotary_widths
 
 # ---- sections: shared by every multimodal convention -------------------------------------------------------
@@ -77,6 +77,9 @@ def sections(draw, pairs: int, interleaved_layout: bool):
     stream m in (1, 2) takes pairs m, m + 3, ... below 3 * section[m], which must hold section[m] of them."""
     if interleaved_layout:
         return draw(st.sampled_from(interleaved_sections(pairs)))
+    elif pairs >= 3 and draw(st.booleans()):  # every stream a section, as the models' are
+        s1 = draw(st.integers(1, pairs - 2))
+        s2 = draw(st.integers(1, pairs - 1 - s1))
     else:
         s1 = draw(st.integers(0, pairs))
         s2 = draw(st.integers(0, pairs - s1))
@@ -118,6 +121,7 @@ class Plan(NamedTuple):
     k_layout: Layout
     cos_layout: object  # a Layout of [3, b, s, r], or "expanded" (a [3, 1, s, r] table expanded over the batch)
     rot: int  # r, the tables' width
+    explicit_defaults: bool = False  # unsqueeze_dim passed where it holds its default
 
 
 class HFMRoPE(Convention):
@@ -127,6 +131,7 @@ class HFMRoPE(Convention):
     DIFFERENTIABLE = ("q", "k")
     CAPS = {**{k: v for k, v in HF.CAPS.items() if k != "position_ids"},
             "in_place": (False, "may write q's and k's memory with the result and return views of it (Liger's kernel)")}
+    OPTIONAL = {"unsqueeze_dim": 1}
 
     def plans(self, caps):
         lim = dict(b=2, h=3, s=4, dims=(2, 6, 8, 12, 16), odd=(7,)) if small() else \
@@ -136,10 +141,11 @@ class HFMRoPE(Convention):
         @st.composite
         def draw(draw):
             dtype = draw(st.sampled_from(caps["dtypes"]))
-            table_dtype = draw(st.sampled_from((dtype, torch.float32))) if caps["float32_tables"] else dtype
+            table_dtype = draw(st.sampled_from(domains.table_dtypes(dtype, caps)))
             hq = draw(st.integers(1, lim["h"]))
             hk = draw(st.integers(1, hq)) if caps["gqa"] else hq
-            b, s = draw(st.integers(1, lim["b"])), draw(st.integers(1, lim["s"]))
+            b = draw(st.integers(1, lim["b"]))
+            s = draw(domains.lengths((1, 3, 1, 2, lim["s"]), caps.get("empty", False), lim["s"], small()))
             d = draw(st.sampled_from(lim["dims"] + (lim["odd"] if partial else ())))
             rot = draw(st.sampled_from(rotary_widths(d, small()))) if partial and (d % 2 or d > 2 and draw(
                 st.booleans())) else d
@@ -151,7 +157,7 @@ class HFMRoPE(Convention):
                 draw(st.sampled_from((1, b))) if caps["cos_batch"] else 1,
                 draw(st.booleans()) if caps["elementwise_tables"] else True,
                 draw(layouts(4)) if strides else contiguous(4), draw(layouts(4)) if strides else contiguous(4),
-                cos_layout, rot)
+                cos_layout, rot, domains.explicit_defaults(draw, caps))
 
         return draw()
 
@@ -191,6 +197,23 @@ class HFMRoPE(Convention):
                 for name in ("q", "k")}
 
     INVARIANTS = {}
+
+
+
+def _mrope_domain() -> dict:
+    from .hf import heads_domain, tables_domain, unsqueeze_domain
+
+    return {
+        "q": heads_domain("q"),
+        "k": (*domains.layouts("k"),
+              domains.cls("as many heads as q", lambda p, c: p.hk == p.hq),
+              domains.cls("fewer heads than q (GQA)", lambda p, c: p.hk < p.hq, "gqa")),
+        "cos": tables_domain(),
+        "sin": tables_domain("sin"),
+        "mrope_section": (domains.cls("every stream a section", lambda p, c: all(p.section)),
+                          domains.cls("a stream with no pairs", lambda p, c: not all(p.section))),
+        "unsqueeze_dim": unsqueeze_domain(),
+    }
 
 
 # ---- invariants (shared with qwen3vl-mrope) -------------------------------------------------------------------
@@ -315,3 +338,5 @@ HFMRoPE.INVARIANTS = {"equal_streams": equal_streams, "inverse": inverse, "q_k_i
                       "partial_is_sliced": partial_is_sliced}
 
 CONVENTION = HFMRoPE()
+
+HFMRoPE.DOMAIN = _mrope_domain()

@@ -12,7 +12,18 @@ from ..compare import assert_bitwise
 from ..contract import Returned
 from ..run import make_case
 from . import Case
-from .hf import HF, Plan, call, inverse, partial_is_sliced, tables_batch_broadcast, unsqueeze_dim_transposed
+from .hf import (
+    HF,
+    Plan,
+    call,
+    heads_domain,
+    inverse,
+    partial_is_sliced,
+    tables_batch_broadcast,
+    tables_domain,
+    unsqueeze_dim_transposed,
+    unsqueeze_domain,
+)
 
 
 class HFSingle(HF):
@@ -20,6 +31,9 @@ class HFSingle(HF):
     SIGNATURE = ("x", "cos", "sin", "unsqueeze_dim")
     DIFFERENTIABLE = ("x",)
     CAPS = {k: v for k, v in HF.CAPS.items() if k not in ("gqa", "position_ids", "in_place")}
+    OPTIONAL = {"unsqueeze_dim": 1}
+    DOMAIN = {"x": heads_domain("x"), "cos": tables_domain(), "sin": tables_domain("sin"),
+              "unsqueeze_dim": unsqueeze_domain()}
 
     def build(self, p: Plan, arena) -> Case:
         x = arena.randn(self.heads_shape(p, p.hq), p.dtype, p.q_layout)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from ..compare import assert_bitwise
 from ..run import make_case
 from ..tensors import Layout, layouts
+from . import domains
 from .hf import HF, INVARIANTS, call
 from .hf import Plan as HFPlan
 
@@ -53,7 +54,11 @@ class Liger(HF):
         "in_place": (True, "may write q's and k's memory with the result and return views of it (Liger's kernel)"),
         "rank2_tables": (True, "cos/sin as [s, r], one table for every sequence (Liger >= 0.8)"),
         "partial": (True, "cos/sin narrower than the head: rotary width = their width, the rest kept (Liger >= 0.8)"),
+        "mixed_tables": (False, "cos/sin in another dtype than q other than float32: Liger computes in cos's dtype "
+                                "and stores q's, which no accuracy model here states"),
     }
+    DOMAIN = {**HF.DOMAIN,
+              "cos": (*HF.DOMAIN["cos"], domains.cls("[s, r] (rank 2)", lambda p, c: p.rank2, "rank2_tables"))}
     INVARIANTS = {**{k: v for k, v in INVARIANTS.items() if k != "unsqueeze_transposed"},
                   "rank2_tables": rank2_tables}
 

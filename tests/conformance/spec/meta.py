@@ -23,7 +23,7 @@ from ..compare import assert_undone, assert_within
 from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, small
+from . import Case, Convention, Expect, domains, small
 
 
 @dataclass
@@ -80,6 +80,7 @@ class Meta(Convention):
         "backward": (True, "gradients for xq and xk"),
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
         "in_place": (False, "may write xq's and xk's memory with the result and return it (Liger's llama4 kernel)"),
+        "empty": (True, "s = 0: empty xq, xk and freqs_cis (Meta's reshape of freqs_cis cannot take them)"),
     }
 
     def plans(self, caps):
@@ -90,7 +91,7 @@ class Meta(Convention):
             hq = draw(st.sampled_from(lim["h"]))
             hk = draw(st.sampled_from([h for h in lim["h"] if h <= hq])) if caps["gqa"] else hq
             b = draw(st.integers(1, lim["b"]))
-            s = draw(st.one_of(st.just(1), st.integers(0, lim["s"])))
+            s = draw(domains.lengths((1, 3, 1, 2, lim["s"]), caps["empty"], lim["s"], small()))
             tables = ("seq", "one", "batch") + (("expanded",) if caps["strides"] else ()) if caps["per_token"] \
                 else ("seq",)
             table = draw(st.sampled_from(tables))
@@ -230,3 +231,16 @@ Meta.INVARIANTS = {
     "swap_q_k": swap_q_k,
 }
 CONVENTION = Meta()
+
+
+Meta.DOMAIN = {
+    "xq": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("xq"),
+           *domains.sizes(lambda p: p.s, "empty", "s")),
+    "xk": (*domains.layouts("xk"), *domains.head_counts(lambda p: (p.hq, p.hk))),
+    "freqs_cis": (domains.cls("[s, d/2]", lambda p, c: p.table == "seq"),
+                  domains.cls("[1, s, d/2]", lambda p, c: p.table == "one", "per_token"),
+                  domains.cls("[b, s, d/2]", lambda p, c: p.table == "batch", "per_token"),
+                  domains.cls("[1, s, d/2] expanded over the batch", lambda p, c: p.table == "expanded",
+                              off=lambda caps: not (caps["per_token"] and caps["strides"]), cap="per_token, strides"),
+                  *domains.layouts("freqs_cis")),
+}

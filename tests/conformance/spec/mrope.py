@@ -21,7 +21,7 @@ from ..compare import assert_bitwise, assert_within
 from ..contract import Returned
 from ..run import inputs64, make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, small
+from . import Case, Convention, Expect, domains, small
 from .hf_mrope import other_sections, sections, select, stream_of_channel
 
 FORMATS = ("thd", "sbhd", "bshd")
@@ -45,6 +45,7 @@ class Plan(NamedTuple):
     t_layout: Layout
     freqs_layout: Layout
     positions_layout: Layout
+    explicit_defaults: bool = False  # tensor_format, interleaved, mrope_interleaved passed at their defaults
 
 
 class MRoPE(Convention):
@@ -65,12 +66,15 @@ class MRoPE(Convention):
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
     }
 
+    OPTIONAL = {"tensor_format": "thd", "interleaved": False, "mrope_interleaved": False}
+
     def plans(self, caps):
         lim = dict(t=6, s=3, b=2, h=3, rows=6, dims=(2, 4, 6, 8, 12, 16)) if small() else \
             dict(t=4096, s=512, b=4, h=16, rows=8192, dims=(2, 6, 64, 80, 128, 256))
 
         @st.composite
         def draw(draw):
+            explicit = domains.explicit_defaults(draw, caps)
             fmt = draw(st.sampled_from(caps["formats"]))
             lead = (draw(st.integers(1, lim["t"])),) if fmt == "thd" else \
                 (draw(st.integers(1, lim["s"])), draw(st.integers(1, lim["b"])))
@@ -89,7 +93,7 @@ class MRoPE(Convention):
                 draw(st.booleans()) if caps["elementwise_freqs"] else True,
                 draw(layouts(ndim)) if strides else contiguous(ndim),
                 draw(layouts(4, padded_dims=(0, 3), permute=False)) if strides else contiguous(4),
-                draw(layouts(len(lead) + 1)) if strides else contiguous(len(lead) + 1))
+                draw(layouts(len(lead) + 1)) if strides else contiguous(len(lead) + 1), explicit)
 
         return draw()
 
@@ -201,3 +205,25 @@ def inverse(conv, fn, caps, plan):
 MRoPE.INVARIANTS = {"equal_streams": equal_streams, "formats": formats_equivalent,
                     "interleaved": interleaved_equivalent, "inverse": inverse}
 CONVENTION = MRoPE()
+
+
+MRoPE.DOMAIN = {
+    "t": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("t"),
+          *domains.odd_heads(lambda p: p.h, cap=""),
+          *domains.sizes(lambda p: p.lead[0], "", "first token dim", empty=False)),
+    "freqs": (*domains.layouts("freqs"), *domains.widths(lambda p: (p.d2, p.d)),
+              domains.cls("pairs share an angle", lambda p, c: p.pair_angles),
+              domains.cls("one angle per channel", lambda p, c: not p.pair_angles, "elementwise_freqs")),
+    "positions": (*domains.index_dtypes(lambda p: p.positions_dtype, "int32_positions"),
+                  domains.cls("[3, *tokens]", lambda p, c: not p.text),
+                  domains.cls("[*tokens] (text)", lambda p, c: p.text, "text_positions"),
+                  *domains.layouts("positions")),
+    "mrope_section": (domains.cls("every stream a section", lambda p, c: all(p.section)),
+                      domains.cls("a stream with no pairs", lambda p, c: not all(p.section))),
+    "tensor_format": (*domains.optional("tensor_format", "sbhd or bshd",
+                                        other_off=lambda caps: set(caps["formats"]) <= {"thd"}),
+                      *domains.flags(lambda p: p.tensor_format, FORMATS, allowed=lambda caps: caps["formats"])),
+    "interleaved": domains.optional("interleaved", "True", other_off=lambda caps: True not in caps["interleaved"]),
+    "mrope_interleaved": domains.optional("mrope_interleaved", "True",
+                                          other_off=lambda caps: True not in caps["mrope_interleaved"]),
+}

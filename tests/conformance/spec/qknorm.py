@@ -17,7 +17,7 @@ from ..compare import assert_bitwise
 from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, head_and_rotary, qknorm_math, small
+from . import Case, Convention, Expect, domains, head_and_rotary, qknorm_math, small
 
 EPS_VALUES = (1e-6, 1e-5, 0.25, 2.0)  # realistic, and large enough that eps's place in the formula shows
 MAGNITUDES = (1.0, 0.05, 20.0)  # of x: eps dominates mean(x^2) at 0.05, not at 20
@@ -43,6 +43,7 @@ class Plan(NamedTuple):
     q_layout: Layout
     k_layout: Layout
     cos_layout: object  # a Layout, or "expanded" ([1, s, rot] expanded over the batch)
+    explicit_defaults: bool = False  # optional arguments passed where they hold their defaults
 
 
 class QKNorm(Convention):
@@ -58,7 +59,10 @@ class QKNorm(Convention):
         "gemma": (True, "the gemma keyword (weights 1 + w)"),
         "strides": (True, "views: permuted, padded and expanded tensors"),
         "accuracy": ("float32", "accuracy model (accuracy.py, qknorm_math.py)"),
+        "mixed_tables": (True, "cos/sin in the other 16-bit dtype than q (float16 with bfloat16, the reverse), or "
+                               "16-bit with float32 q"),
     }
+    OPTIONAL = {"eps": 1e-6, "unsqueeze_dim": 1, "interleaved": False, "gemma": False}
 
     def plans(self, caps):
         lim = dict(b=2, h=3, s=4, dims=(2, 4, 6, 7, 8, 10, 16)) if small() else \
@@ -72,8 +76,9 @@ class QKNorm(Convention):
             b, s = draw(st.integers(1, lim["b"])), draw(st.integers(1, lim["s"]))
             strides = caps["strides"]
             return Plan(
-                draw(seeds()), dtype, draw(st.sampled_from((dtype, torch.float32)))
-                if caps["weight_dtypes"] == "any" else dtype, draw(st.sampled_from((dtype, torch.float32))),
+                draw(seeds()), dtype, draw(st.sampled_from(domains.any_dtype(dtype)))
+                if caps["weight_dtypes"] == "any" else dtype,
+                draw(st.sampled_from(domains.table_dtypes(dtype, {**caps, "float32_tables": True}))),
                 b, hq, draw(st.integers(1, hq)), s, d, rot, draw(st.sampled_from(caps["unsqueeze_dim"])),
                 draw(st.sampled_from((1, b))), caps["interleaved"] and draw(st.booleans()),
                 caps["gemma"] and draw(st.booleans()), draw(st.sampled_from(EPS_VALUES)),
@@ -81,7 +86,7 @@ class QKNorm(Convention):
                 draw(layouts(4)) if strides else contiguous(4),
                 draw(st.one_of(layouts(3, padded_dims=(1, 2)), st.just("expanded"))) if strides else contiguous(3))
 
-        return draw()
+        return domains.with_explicit(draw(), caps)
 
     def build(self, p: Plan, arena, weights=None) -> Case:
         def heads(h):
@@ -237,3 +242,34 @@ QKNorm.INVARIANTS = {
     "q_k_independent": q_k_independent,
 }
 CONVENTION = QKNorm()
+
+
+def _weights() -> tuple:
+    return domains.pairings(lambda p: (p.dtype, p.weight_dtype), "", "weight_dtypes",
+                            mixed_off=lambda caps: caps["weight_dtypes"] != "any",
+                            float32_off=lambda caps: caps["weight_dtypes"] != "any")
+
+
+def _tables(arg: str) -> tuple:
+    def pair(p):
+        return p.dtype, p.table_dtype
+
+    return (*domains.pairings(pair, float32_cap=""), domains.table_16bit_float32_input(pair, "mixed_tables"),
+            *domains.layouts(arg, expanded=True), *domains.widths(lambda p: (p.rot, p.d)),
+            domains.cls("batch 1", lambda p, c: p.cos_batch == 1),
+            domains.cls("batch b > 1", lambda p, c: p.cos_batch > 1))
+
+
+QKNorm.DOMAIN = {
+    "q": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("q"), *domains.odd_heads(lambda p: p.d),
+          *domains.sizes(lambda p: p.s, "", "s", empty=False)),
+    "k": (*domains.layouts("k"), *domains.head_counts(lambda p: (p.hq, p.hk), cap="")),
+    "q_weight": _weights(),
+    "k_weight": _weights(),
+    "cos": _tables("cos"),
+    "sin": _tables("sin"),
+    "eps": domains.optional("eps", "another eps"),
+    "unsqueeze_dim": domains.optional("unsqueeze_dim", "2", other_off=lambda caps: 2 not in caps["unsqueeze_dim"]),
+    "interleaved": domains.optional("interleaved", "True", "interleaved"),
+    "gemma": domains.optional("gemma", "True", "gemma"),
+}

@@ -21,7 +21,7 @@ from ..compare import assert_bitwise
 from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, head_and_rotary, qknorm_math, small
+from . import Case, Convention, Expect, domains, head_and_rotary, qknorm_math, small
 from .hf_mrope import sections, stream_of_pair
 from .qknorm import EPS_VALUES, MAGNITUDES, QKNorm, rotation_preserves_norm
 from .te_qknorm import refuses
@@ -50,6 +50,7 @@ class Plan(NamedTuple):
     k_layout: Layout
     cache_layout: Layout
     positions_layout: Layout
+    explicit_defaults: bool = False  # optional arguments passed where they hold their defaults
 
     @property
     def interleaved(self) -> bool:
@@ -78,6 +79,8 @@ class QKNormCache(Convention):
     }
     grad_scale = QKNorm.grad_scale
 
+    OPTIONAL = {"eps": 1e-6, "is_neox": True, "gemma": False, "mrope_section": None, "mrope_interleaved": False}
+
     def plans(self, caps):
         lim = dict(t=4, h=3, rows=8, dims=(2, 4, 6, 7, 8, 10, 16)) if small() else \
             dict(t=256, h=17, rows=4096, dims=(2, 6, 64, 80, 128, 256))
@@ -95,7 +98,7 @@ class QKNormCache(Convention):
             strides = caps["strides"]
 
             def dtypes(cap):
-                return draw(st.sampled_from((dtype, torch.float32))) if caps[cap] == "any" else dtype
+                return draw(st.sampled_from(domains.any_dtype(dtype))) if caps[cap] == "any" else dtype
 
             return Plan(
                 draw(seeds()), dtype, dtypes("weight_dtypes"), dtypes("cache_dtypes"),
@@ -108,7 +111,7 @@ class QKNormCache(Convention):
                 draw(layouts(2)) if strides else contiguous(2),
                 draw(layouts(2 if streams else 1)) if strides else contiguous(2 if streams else 1))
 
-        return draw()
+        return domains.with_explicit(draw(), caps)
 
     def build(self, p: Plan, arena, weights=None) -> Case:
         def heads(h, layout):
@@ -228,3 +231,27 @@ QKNormCache.INVARIANTS = {
     "refuses_bad_input": refuses_bad_input,
 }
 CONVENTION = QKNormCache()
+
+
+def _dtype_pair(get, cap) -> tuple:
+    return domains.pairings(get, "", cap, mixed_off=lambda caps: caps[cap] != "any",
+                            float32_off=lambda caps: caps[cap] != "any")
+
+
+QKNormCache.DOMAIN = {
+    "q": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("q"), *domains.odd_heads(lambda p: p.d),
+          *domains.sizes(lambda p: p.t, "", "tokens", empty=False)),
+    "k": (*domains.layouts("k"), *domains.head_counts(lambda p: (p.hq, p.hk), cap="")),
+    "q_weight": _dtype_pair(lambda p: (p.dtype, p.weight_dtype), "weight_dtypes"),
+    "k_weight": _dtype_pair(lambda p: (p.dtype, p.weight_dtype), "weight_dtypes"),
+    "positions": (*domains.index_dtypes(lambda p: p.positions_dtype, "int32_positions"),
+                  domains.cls("[T]", lambda p, c: not p.streams),
+                  domains.cls("[3, T]", lambda p, c: p.streams, "mrope"), *domains.layouts("positions")),
+    "cos_sin_cache": (*_dtype_pair(lambda p: (p.dtype, p.table_dtype), "cache_dtypes"),
+                      *domains.layouts("cos_sin_cache"), *domains.widths(lambda p: (p.rot, p.d))),
+    "eps": domains.optional("eps", "another eps"),
+    "is_neox": domains.optional("is_neox", "False", other_off=lambda caps: False not in caps["is_neox"]),
+    "gemma": domains.optional("gemma", "True", "gemma"),
+    "mrope_section": domains.optional("mrope_section", "three sections", "mrope"),
+    "mrope_interleaved": domains.optional("mrope_interleaved", "True", "mrope_interleaved"),
+}

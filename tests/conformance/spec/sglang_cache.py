@@ -15,7 +15,7 @@ import torch
 from hypothesis import strategies as st
 
 from ..tensors import DTYPES, Layout, contiguous, seeds
-from . import Case, small
+from . import Case, domains, small
 from . import kv_cache_common as kvc
 from .kv_cache_invariants import INVARIANTS
 
@@ -41,6 +41,8 @@ class Plan(NamedTuple):
     fp8: bool = False
     scales: tuple = (1.0, 1.0)
     n_padded: int = 0
+    explicit_defaults: bool = False  # optional arguments passed where they hold their defaults
+    rope_dim_given: bool = False  # rope_dim passed as the rotary width (the cache's), not its default 0
 
     @property
     def n_given(self) -> int:
@@ -68,6 +70,7 @@ class SGLangCache(kvc.KVCacheConvention):
         "int32_indices": (True, "int32 positions and out_loc as well as int64"),
         "accuracy": ("float32", "accuracy model (accuracy.py)"),
     }
+    OPTIONAL = {"rope_dim": 0}
 
     def plans(self, caps):
         lim = dict(t=5, h=3, rows=8, pool=6, dims=(2, 4, 6, 7, 8, 16)) if small() else \
@@ -91,9 +94,9 @@ class SGLangCache(kvc.KVCacheConvention):
                 draw(st.sampled_from(caps["is_neox"])), packed,
                 Layout((0, 1, 2), (0, draw(st.sampled_from((0, 1, 4))), 0)) if packed else contiguous(3),
                 forms and draw(st.booleans()), t + draw(st.integers(0, lim["pool"])), forms and draw(st.booleans()),
-                draw(st.sampled_from((0, 0, 3))) if strides else 0)
+                draw(st.sampled_from((0, 0, 3))) if strides else 0, rope_dim_given=draw(st.booleans()))
 
-        return draw()
+        return domains.with_explicit(draw(), caps)
 
     def build(self, p: Plan, arena) -> Case:
         positions = arena.place(arena.integers(0, p.rows, (p.t,), p.index_dtypes[0]))
@@ -115,9 +118,36 @@ class SGLangCache(kvc.KVCacheConvention):
         k_cache, v_cache = pool(), pool()
         out_loc = arena.place(kvc.slots_for(arena.gen, p.t, p.pool, 0, p.index_dtypes[1]))
         args = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, cos_sin_cache=table, positions=positions,
-                    out_loc=out_loc, is_neox=p.is_neox, rope_dim=0)
+                    out_loc=out_loc, is_neox=p.is_neox, rope_dim=p.rot if p.rope_dim_given else 0)
         return Case(p, args, 8, arena.buffers)
 
 
 SGLangCache.INVARIANTS = INVARIANTS
 CONVENTION = SGLangCache()
+
+
+def _pool_domain() -> tuple:
+    return (domains.cls("[pool, hk * d]", lambda p, c: p.pool_flat),
+            domains.cls("[pool, hk, d]", lambda p, c: not p.pool_flat, "pool_forms"),
+            domains.cls("dense rows", lambda p, c: p.pool_pad == 0),
+            domains.cls("padded rows", lambda p, c: p.pool_pad > 0, "strides"))
+
+
+SGLangCache.DOMAIN = {
+    "q": (*domains.dtypes(lambda p: p.dtype), domains.cls("its own buffer", lambda p, c: not p.packed),
+          domains.cls("a head slice of a packed qkv", lambda p, c: p.packed, "strides"),
+          *domains.sizes(lambda p: p.t, "", "tokens", empty=False)),
+    "k": domains.head_counts(lambda p: (p.hq, p.hk)),
+    "v": (domains.cls("[T, hk, d]", lambda p, c: not p.v_flat),
+          domains.cls("[T, hk * d]", lambda p, c: p.v_flat, "pool_forms")),
+    "k_cache": _pool_domain(),
+    "v_cache": _pool_domain(),
+    "cos_sin_cache": (*domains.cache_dtype_classes(lambda p: (p.dtype, p.table_dtype),
+                                                   lambda caps: caps["table_dtypes"] == "any"),
+                      *domains.widths(lambda p: (p.rot, p.d))),
+    "positions": domains.index_dtypes(lambda p: p.index_dtypes[0], "int32_indices"),
+    "out_loc": domains.index_dtypes(lambda p: p.index_dtypes[1], "int32_indices"),
+    "is_neox": domains.flags(lambda p: p.is_neox, (True, False), ("half-split (True)", "interleaved (False)"),
+                             allowed=lambda caps: caps["is_neox"]),
+    "rope_dim": domains.optional("rope_dim", "the rotary width"),
+}

@@ -22,7 +22,7 @@ from ..contract import Returned, Snapshot
 from ..positions import token_positions
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, head_and_rotary, qknorm_math, small
+from . import Case, Convention, Expect, domains, head_and_rotary, qknorm_math, small
 from .qknorm import EPS_VALUES, MAGNITUDES, QKNorm, rotation_preserves_norm
 
 FORMATS = ("sbhd", "bshd", "thd")
@@ -53,6 +53,7 @@ class Plan(NamedTuple):
     q_layout: Layout
     k_layout: Layout
     freqs_layout: Layout
+    explicit_defaults: bool = False  # optional arguments passed where they hold their defaults
 
     @property
     def table_dtype(self):
@@ -93,6 +94,9 @@ class TEQKNorm(Convention):
     }
     grad_scale = QKNorm.grad_scale
 
+    OPTIONAL = {"tensor_format": "sbhd", "start_positions": None, "interleaved": False, "cu_seqlens": None,
+                "cp_size": 1, "cp_rank": 0, "eps": 1e-6, "gemma": False}
+
     def plans(self, caps):
         # the interpreter's time grows with the tokens (one program each, or per (s, b) with start_positions)
         lim = dict(s=3, b=2, h=3, n=2, len=2, cp=(1, 1, 2), extra=2, dims=(2, 4, 6, 7, 8, 10, 16)) if small() else \
@@ -113,7 +117,7 @@ class TEQKNorm(Convention):
             nd = 3 if fmt == "thd" else 4
             strides = caps["strides"]
             return Plan(
-                draw(seeds()), dtype, draw(st.sampled_from((dtype, torch.float32)))
+                draw(seeds()), dtype, draw(st.sampled_from(domains.any_dtype(dtype)))
                 if caps["weight_dtypes"] == "any" else dtype, draw(st.sampled_from(caps["freqs_dtypes"])), fmt, s,
                 draw(st.integers(1, lim["b"])), lengths, hq, draw(st.integers(1, hq)), d, rot,
                 caps["interleaved"] and draw(st.booleans()),
@@ -124,7 +128,7 @@ class TEQKNorm(Convention):
                 draw(layouts(nd)) if strides else contiguous(nd), draw(layouts(nd)) if strides else contiguous(nd),
                 draw(layouts(4)) if strides else contiguous(4))
 
-        return draw()
+        return domains.with_explicit(draw(), caps)
 
     def build(self, p: Plan, arena, weights=None) -> Case:
         lead = lead_shape(p)
@@ -306,3 +310,36 @@ TEQKNorm.INVARIANTS = {
     "refuses_bad_input": refuses_bad_input,
 }
 CONVENTION = TEQKNorm()
+
+
+def _weight_domain() -> tuple:
+    return domains.pairings(lambda p: (p.dtype, p.weight_dtype), "", "weight_dtypes",
+                            mixed_off=lambda caps: caps["weight_dtypes"] != "any",
+                            float32_off=lambda caps: caps["weight_dtypes"] != "any")
+
+
+TEQKNorm.DOMAIN = {
+    "q": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("q"),
+          *domains.odd_heads(lambda p: p.d)),
+    "k": (*domains.layouts("k"), *domains.head_counts(lambda p: (p.hq, p.hk), cap="")),
+    "q_weight": _weight_domain(),
+    "k_weight": _weight_domain(),
+    "freqs": (*domains.dtypes(lambda p: p.freqs_dtype, "freqs_dtypes"), *domains.layouts("freqs"),
+              *domains.widths(lambda p: (p.rot, p.d)),
+              domains.cls("pairs share an angle", lambda p, c: p.equal_halves),
+              domains.cls("one angle per channel", lambda p, c: not p.equal_halves, "elementwise_freqs")),
+    "tensor_format": (*domains.optional("tensor_format", "bshd or thd",
+                                        other_off=lambda caps: set(caps["formats"]) <= {"sbhd"}),
+                      *domains.flags(lambda p: p.tensor_format, FORMATS, allowed=lambda caps: caps["formats"])),
+    "start_positions": (*domains.optional("start_positions", "a tensor", "start_positions"),
+                        *domains.index_dtypes(lambda p: p.start_dtype or torch.int64, "start_positions")),
+    "interleaved": domains.optional("interleaved", "True", "interleaved"),
+    "cu_seqlens": (*domains.optional("cu_seqlens", "a tensor (thd)",
+                                     other_off=lambda caps: "thd" not in caps["formats"]),
+                   domains.cls("an empty sequence", lambda p, c: 0 in p.lengths,
+                               off=lambda caps: "thd" not in caps["formats"])),
+    "cp_size": domains.optional("cp_size", "2", "context_parallel"),
+    "cp_rank": domains.optional("cp_rank", "rank > 0", "context_parallel"),
+    "eps": (*domains.optional("eps", "another eps"),),
+    "gemma": domains.optional("gemma", "True", "gemma"),
+}

@@ -28,7 +28,7 @@ from ..contract import Returned
 from ..positions import token_positions
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, small
+from . import Case, Convention, Expect, domains, small
 
 FORMATS = ("sbhd", "bshd")
 
@@ -54,6 +54,7 @@ class Plan(NamedTuple):
     k_rows: int
     qkv_layout: Layout
     freqs_layout: Layout
+    explicit_defaults: bool = False  # optional arguments passed where they hold their defaults
 
 
 def positions_of(p: Plan, start) -> torch.Tensor:
@@ -99,6 +100,9 @@ class TEQKV(Convention):
     }
     INVARIANTS: dict = {}  # filled below
 
+    OPTIONAL = {"tensor_format": "sbhd", "start_positions": None, "interleaved": False, "cu_seqlens": None,
+                "cp_size": 1, "cp_rank": 0}
+
     def plans(self, caps):
         lim = dict(s=5, b=2, h=3, nk=(2, 4, 6, 8), nv=8, groups=3, extra=2) if small() else \
             dict(s=256, b=3, h=8, nk=(32, 64, 80, 128), nv=128, groups=8, extra=64)
@@ -126,7 +130,7 @@ class TEQKV(Convention):
                 draw(layouts(4)) if caps["strides"] else contiguous(4),
                 draw(layouts(4)) if caps["strides"] else contiguous(4))
 
-        return draw()
+        return domains.with_explicit(draw(), caps)
 
     def backward_plan(self, plan, caps):
         return plan if caps["backward_start_positions"] else plan._replace(start_dtype=None)
@@ -273,3 +277,38 @@ TEQKV.INVARIANTS = {
     "cp_shards": cp_shards,
 }
 CONVENTION = TEQKV()
+
+
+def _freqs_domain(arg: str) -> tuple:
+    return (*domains.dtypes(lambda p: p.freqs_dtype, "freqs_dtypes"),
+            domains.cls("qkv's dtype", lambda p, c: p.freqs_dtype == p.dtype),
+            domains.cls("another dtype than qkv's", lambda p, c: p.freqs_dtype != p.dtype,
+                        off=lambda caps: len(caps["freqs_dtypes"]) < 2 and tuple(caps["freqs_dtypes"]) ==
+                        tuple(caps["dtypes"])),
+            *domains.layouts(arg),
+            *domains.widths(lambda p: (p.d2, p.nk)),
+            domains.cls("pairs share an angle", lambda p, c: p.equal_halves),
+            domains.cls("one angle per channel", lambda p, c: not p.equal_halves, "elementwise_freqs"))
+
+
+TEQKV.DOMAIN = {
+    "qkv": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("qkv"),
+            *domains.sizes(lambda p: p.s, "", "s", empty=False)),
+    "q_freqs": _freqs_domain("q_freqs"),
+    "k_freqs": domains.layouts("k_freqs"),
+    "qkv_split_arg_list": (domains.cls("nq = nk", lambda p, c: p.groups == 1),
+                           domains.cls("nq a multiple of nk (groups)", lambda p, c: p.groups > 1, "groups"),
+                           domains.cls("nv = nk", lambda p, c: p.nv == p.nk),
+                           domains.cls("nv another width", lambda p, c: p.nv != p.nk, "v_width")),
+    "tensor_format": (*domains.optional("tensor_format", "bshd", other_off=lambda caps: "bshd" not in caps["formats"]),
+                      *domains.flags(lambda p: p.tensor_format, FORMATS, allowed=lambda caps: caps["formats"])),
+    "start_positions": (*domains.optional("start_positions", "a tensor [b]", "start_positions"),
+                        *(c for c in domains.index_dtypes(lambda p: p.start_dtype, "start_positions")
+                          if c.name == "int32"),
+                        domains.cls("int64", lambda p, c: p.start_dtype == torch.int64, "int64_start_positions")),
+    "interleaved": domains.optional("interleaved", "True", "interleaved"),
+    # TE's packed-QKV call takes sbhd and bshd only: cu_seqlens is always left at its default
+    "cu_seqlens": domains.optional("cu_seqlens")[:2],
+    "cp_size": domains.optional("cp_size", "2 or 3", "context_parallel"),
+    "cp_rank": domains.optional("cp_rank", "rank > 0", "context_parallel"),
+}

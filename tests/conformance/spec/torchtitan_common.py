@@ -18,7 +18,7 @@ from ..compare import assert_undone, assert_within
 from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, small
+from . import Case, Convention, Expect, domains, small
 
 
 class Plan(NamedTuple):
@@ -37,6 +37,7 @@ class Plan(NamedTuple):
     k_layout: Layout
     cache_layout: Layout
     pos_layout: Layout
+    explicit_defaults: bool = False  # optional arguments passed where they hold their defaults
 
 
 def limits():
@@ -57,7 +58,9 @@ class TorchTitan(Convention):
         "strides": (True, "views: query, key permuted and padded; cache and positions sliced from wider buffers"),
         "backward": (True, "gradients for query and key"),
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
+        "empty": (True, "T = 0: empty query and key"),
     }
+    OPTIONAL = {"positions": None}
 
     def table_dtypes(self, caps, dtype):
         return (torch.float32,)
@@ -70,7 +73,7 @@ class TorchTitan(Convention):
             dtype = draw(st.sampled_from(caps["dtypes"]))
             n = draw(st.sampled_from(lim["h"]))
             nk = draw(st.sampled_from([h for h in lim["h"] if h <= n])) if caps["gqa"] else n
-            t = draw(st.one_of(st.just(1), st.integers(0, lim["t"])))
+            t = draw(domains.lengths((1, 3, 2, 1, lim["t"] - 1, lim["t"]), caps["empty"], lim["t"], small()))
             positions = draw(st.booleans()) if caps["positions"] else False
             rows = draw(st.integers(1, t + lim["extra"])) if positions else t + draw(st.sampled_from((0, 0, 1, 3)))
             strides = caps["strides"]
@@ -82,7 +85,7 @@ class TorchTitan(Convention):
                 draw(layouts(3)) if strides else contiguous(3), draw(layouts(3)) if strides else contiguous(3),
                 draw(layouts(2)) if strides else contiguous(2), draw(layouts(1)) if strides else contiguous(1))
 
-        return draw()
+        return domains.with_explicit(draw(), caps)
 
     def build(self, p: Plan, arena) -> Case:
         query = arena.randn((p.t, p.n, p.h), p.dtype, p.q_layout)
@@ -193,3 +196,16 @@ INVARIANTS = {
     "inverse": inverse,
     "swap_q_k": swap_q_k,
 }
+
+
+def titan_domain(cache_dtypes: tuple, cache_cap: str = "") -> dict:
+    """The domain of torchtitan's two forms; `cache_dtypes`: the cache's classes."""
+    return {
+        "query": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("query"),
+                  *domains.sizes(lambda p: p.t, "empty", "tokens")),
+        "key": (*domains.layouts("key"), *domains.head_counts(lambda p: (p.n, p.nk))),
+        "cache": (*cache_dtypes, *domains.layouts("cache"),
+                  domains.cls("rows past the tokens", lambda p, c: p.rows > p.t)),
+        "positions": (*domains.optional("positions", "a tensor [T]", "positions"),
+                      *domains.index_dtypes(lambda p: p.pos_dtype, "int32_positions")),
+    }

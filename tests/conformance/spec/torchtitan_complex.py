@@ -8,8 +8,9 @@ ComplexCase), so that the oracle reads the table's float32 parts as given.
 """
 from __future__ import annotations
 
+from . import domains
 from .meta import ComplexCase, complex_table, per_channel
-from .torchtitan_common import INVARIANTS, TorchTitan
+from .torchtitan_common import INVARIANTS, TorchTitan, titan_domain
 
 
 class Complex(TorchTitan):
@@ -33,3 +34,5 @@ class Complex(TorchTitan):
 
 Complex.INVARIANTS = INVARIANTS
 CONVENTION = Complex()
+
+Complex.DOMAIN = titan_domain((domains.cls("complex64", lambda p, c: True),))

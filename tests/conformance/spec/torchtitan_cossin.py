@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .torchtitan_common import INVARIANTS, TorchTitan
+from . import domains
+from .torchtitan_common import INVARIANTS, TorchTitan, titan_domain
 
 
 class CosSin(TorchTitan):
@@ -39,3 +40,10 @@ class CosSin(TorchTitan):
 
 CosSin.INVARIANTS = INVARIANTS
 CONVENTION = CosSin()
+
+CosSin.DOMAIN = titan_domain((
+    domains.cls("float32", lambda p, c: p.table_dtype == torch.float32),
+    domains.cls("query's 16-bit dtype", lambda p, c: p.table_dtype != torch.float32, "table_dtypes",
+                off=lambda caps: not caps["table_dtypes"] or set(caps["dtypes"]) <= {torch.float32}),
+    domains.cls("halves equal", lambda p, c: p.equal_halves),
+    domains.cls("halves differ", lambda p, c: not p.equal_halves, "elementwise_tables")))

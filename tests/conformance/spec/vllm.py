@@ -19,7 +19,7 @@ from .. import pairing
 from ..compare import assert_bitwise, assert_undone, assert_within
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, head_and_rotary, small
+from . import Case, Convention, Expect, domains, head_and_rotary, small
 
 
 class Plan(NamedTuple):
@@ -292,3 +292,30 @@ VLLM.INVARIANTS = {
     "inverse": inverse,
 }
 CONVENTION = VLLM()
+
+
+def _is_neox_domain() -> tuple:
+    return domains.flags(lambda p: p.is_neox, (True, False), ("half-split (True)", "interleaved (False)"),
+                         allowed=lambda caps: caps["is_neox"])
+
+
+VLLM.DOMAIN = {
+    "positions": (*domains.index_dtypes(lambda p: p.positions_dtype, "int32_positions"),
+                  domains.cls("[T]", lambda p, c: len(p.lead) == 1),
+                  domains.cls("[b, s]", lambda p, c: len(p.lead) == 2, "batched_positions"),
+                  *domains.layouts("positions", "strided_positions"),
+                  *domains.sizes(lambda p: p.tokens, "", "tokens", empty=False)),
+    "query": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("query"),
+              domains.cls("[..., h, head_size]", lambda p, c: p.q_heads_dim, "heads_dim"),
+              domains.cls("[..., h * head_size]", lambda p, c: not p.q_heads_dim),
+              domains.cls("a head slice of a packed qkv", lambda p, c: p.packed, "strides")),
+    "key": (*domains.head_counts(lambda p: (p.hq, p.hk), none=lambda p: p.hk == 0, none_cap="key_none"),
+            domains.cls("[..., h, head_size]", lambda p, c: p.hk and p.k_heads_dim, "heads_dim"),
+            domains.cls("[..., h * head_size]", lambda p, c: p.hk and not p.k_heads_dim)),
+    "head_size": (*domains.odd_heads(lambda p: p.d), *domains.sizes(lambda p: p.d, "", empty=False, one=False)),
+    "cos_sin_cache": (*domains.cache_dtype_classes(lambda p: (p.dtype, p.cache_dtype),
+                                                   lambda caps: caps["cache_dtypes"] == "any"),
+                      *domains.layouts("cos_sin_cache", "strided_cache"),
+                      *domains.widths(lambda p: (p.rot, p.d))),
+    "is_neox": _is_neox_domain(),
+}

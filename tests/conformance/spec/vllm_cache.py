@@ -19,7 +19,7 @@ import torch
 from hypothesis import strategies as st
 
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, small
+from . import Case, domains, small
 from . import kv_cache_common as kvc
 from .kv_cache_invariants import INVARIANTS
 
@@ -47,6 +47,7 @@ class Plan(NamedTuple):
     n_given: int  # slot_mapping's length (<= t)
     n_padded: int  # of them -1
     scales: tuple  # (k_scale, v_scale), fp8 only
+    explicit_defaults: bool = False  # optional arguments passed where they hold their defaults
 
     @property
     def n_slots(self) -> int:
@@ -74,11 +75,13 @@ class VLLMCache(kvc.KVCacheConvention):
         "padded_slots": (True, "slot -1 (rotated, not stored)"),
         "int32_indices": (True, "int32 positions and slot_mapping as well as int64"),
         "accuracy": ("float32", "accuracy model (accuracy.py)"),
+        "npot_block_size": (True, "a block_size that is not a power of two (the caches' block dim: 3, 24)"),
     }
+    OPTIONAL = {"kv_cache_dtype": "auto", "k_scale": None, "v_scale": None}
 
     def plans(self, caps):
-        lim = dict(t=5, h=3, rows=8, blocks=4, bs=(1, 2, 4), dims=(2, 4, 6, 7, 8, 16)) if small() else \
-            dict(t=1024, h=17, rows=8192, blocks=64, bs=(1, 16, 32), dims=(2, 64, 80, 128, 256))
+        lim = dict(t=5, h=3, rows=8, blocks=4, bs=(1, 2, 4), npot=(3,), dims=(2, 4, 6, 7, 8, 16)) if small() else \
+            dict(t=1024, h=17, rows=8192, blocks=64, bs=(1, 16, 32), npot=(24,), dims=(2, 64, 80, 128, 256))
 
         @st.composite
         def draw(draw):
@@ -89,7 +92,7 @@ class VLLMCache(kvc.KVCacheConvention):
             hq = hk * draw(st.integers(1, 4)) if caps["gqa"] else hk
             d = draw(st.sampled_from(lim["dims"]))
             rot = 2 * draw(st.integers(1, d // 2)) if caps["partial"] and draw(st.booleans()) else d - d % 2
-            bs = draw(st.sampled_from(lim["bs"]))
+            bs = draw(st.sampled_from(lim["npot"] * caps["npot_block_size"] + lim["bs"]))
             n_blocks = -(-t // bs) + draw(st.integers(0, lim["blocks"]))
             n_given = draw(st.integers(0, t)) if caps["short_slot_mapping"] and draw(st.booleans()) else t
             n_padded = draw(st.integers(0, n_given)) if caps["padded_slots"] and draw(st.booleans()) else 0
@@ -106,7 +109,7 @@ class VLLMCache(kvc.KVCacheConvention):
                 n_blocks, bs, draw(st.sampled_from(caps["cache_layouts"])), draw(layouts(4)), n_given, n_padded,
                 (draw(st.sampled_from(kvc.SCALES)), draw(st.sampled_from(kvc.SCALES))) if fp8 else (1.0, 1.0))
 
-        return draw()
+        return domains.with_explicit(draw(), caps)
 
     def build(self, p: Plan, arena) -> Case:
         positions = arena.place(arena.integers(0, p.rows, (p.t,), p.index_dtypes[0]))
@@ -143,3 +146,47 @@ class VLLMCache(kvc.KVCacheConvention):
 
 VLLMCache.INVARIANTS = INVARIANTS
 CONVENTION = VLLMCache()
+
+
+def _cache_domain() -> tuple:
+    return (domains.cls("the inputs' dtype ('auto')", lambda p, c: not p.fp8),
+            domains.cls("float8_e4m3fn ('fp8')", lambda p, c: p.fp8, "fp8"),
+            *domains.flags(lambda p: p.cache_layout, ("nhd", "packed", "flash"),
+                           ("[nb, bs, hk, d], its own buffer", "vLLM's packed [nb, hk, bs, 2d]",
+                            "FlashAttention's [nb, 2, bs, hk, d]"), allowed=lambda caps: caps["cache_layouts"]),
+            *domains.layouts("key_cache"),
+            domains.cls("block_size 1", lambda p, c: p.block_size == 1),
+            domains.cls("block_size a power of two > 1", lambda p, c: p.block_size > 1 and
+                        p.block_size & (p.block_size - 1) == 0),
+            domains.cls("block_size not a power of two", lambda p, c: p.block_size & (p.block_size - 1) != 0,
+                        "npot_block_size"))
+
+
+def _tokens_domain() -> tuple:
+    return (domains.cls("[T, h, d]", lambda p, c: p.heads_dim, "heads_dim"),
+            domains.cls("[T, h * d]", lambda p, c: not p.heads_dim),
+            domains.cls("a head slice of a packed qkv", lambda p, c: p.packed, "strides"),
+            domains.cls("its own buffer", lambda p, c: not p.packed))
+
+
+VLLMCache.DOMAIN = {
+    "positions": (*domains.index_dtypes(lambda p: p.index_dtypes[0], "int32_indices"),
+                  *domains.sizes(lambda p: p.t, "", "tokens", empty=False)),
+    "query": (*domains.dtypes(lambda p: p.dtype), *_tokens_domain()),
+    "key": domains.head_counts(lambda p: (p.hq, p.hk)),
+    "value": (domains.cls("key's form", lambda p, c: True),),
+    "key_cache": _cache_domain(),
+    "value_cache": (domains.cls("key_cache's layout", lambda p, c: True),),
+    "slot_mapping": (*domains.index_dtypes(lambda p: p.index_dtypes[1], "int32_indices"),
+                     domains.cls("a slot per token", lambda p, c: p.n_given == p.t),
+                     domains.cls("shorter than the tokens", lambda p, c: p.n_given < p.t, "short_slot_mapping"),
+                     domains.cls("slots -1 (padding)", lambda p, c: p.n_padded > 0, "padded_slots")),
+    "cos_sin_cache": (*domains.cache_dtype_classes(lambda p: (p.dtype, p.table_dtype),
+                                                   lambda caps: caps["table_dtypes"] == "any"),
+                      *domains.widths(lambda p: (p.rot, p.d))),
+    "is_neox": domains.flags(lambda p: p.is_neox, (True, False), ("half-split (True)", "interleaved (False)"),
+                             allowed=lambda caps: caps["is_neox"]),
+    "kv_cache_dtype": domains.optional("kv_cache_dtype", "'fp8'", "fp8"),
+    "k_scale": domains.optional("k_scale", "a float32 tensor", "fp8"),
+    "v_scale": domains.optional("v_scale", "a float32 tensor", "fp8"),
+}

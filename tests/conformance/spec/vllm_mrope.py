@@ -22,7 +22,7 @@ from ..compare import assert_bitwise, assert_within
 from ..contract import Returned
 from ..run import inputs64, make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, small
+from . import Case, Convention, Expect, domains, small
 from .hf_mrope import other_sections, sections, select, stream_of_pair
 
 
@@ -261,3 +261,27 @@ def inverse(conv, fn, caps, plan):
 CONVENTION = VLLMMRoPE()
 VLLMMRoPE.INVARIANTS = {"text_positions": text_positions, "equal_streams": equal_streams, "key_none": key_none,
                         "is_neox": is_neox_equivalent, "inverse": inverse}
+
+
+VLLMMRoPE.DOMAIN = {
+    "positions": (*domains.index_dtypes(lambda p: p.positions_dtype, "int32_positions"),
+                  domains.cls("[3, T]", lambda p, c: not p.text),
+                  domains.cls("[T] (text)", lambda p, c: p.text, "text_positions"),
+                  *domains.layouts("positions"),
+                  *domains.sizes(lambda p: p.tokens, "", "tokens", empty=False)),
+    "query": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("query"),
+              domains.cls("[T, h, head_size]", lambda p, c: p.q_heads_dim, "heads_dim"),
+              domains.cls("[T, h * head_size]", lambda p, c: not p.q_heads_dim)),
+    "key": (*domains.head_counts(lambda p: (p.hq, p.hk), none=lambda p: p.hk == 0, none_cap="key_none"),
+            *domains.layouts("key")),
+    "head_size": domains.sizes(lambda p: p.head_size, "", empty=False, one=False),
+    "cos_sin_cache": (*domains.cache_dtype_classes(lambda p: (p.dtype, p.cache_dtype),
+                                                   lambda caps: caps["cache_dtypes"] == "any"),
+                      *domains.layouts("cos_sin_cache"),
+                      *domains.widths(lambda p: (p.rot, p.head_size))),
+    "mrope_section": (domains.cls("every stream a section", lambda p, c: all(p.section)),
+                      domains.cls("a stream with no pairs", lambda p, c: not all(p.section))),
+    "is_neox": domains.flags(lambda p: p.is_neox, (True, False), ("half-split (True)", "interleaved (False)"),
+                             allowed=lambda caps: caps["is_neox"]),
+    "mrope_interleaved": domains.flags(lambda p: p.mrope_interleaved, allowed=lambda caps: caps["mrope_interleaved"]),
+}

@@ -18,7 +18,7 @@ from .. import pairing
 from ..compare import assert_bitwise
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, qknorm_math, small
+from . import Case, Convention, Expect, domains, qknorm_math, small
 from .qknorm import EPS_VALUES, MAGNITUDES
 
 
@@ -73,11 +73,12 @@ class VLLMQKNorm(Convention):
             hk = draw(st.integers(1, lim["h"]))
             strides = caps["strides"]
 
-            def dtypes(cap):
-                return draw(st.sampled_from((dtype, torch.float32))) if caps[cap] == "any" else dtype
+            def dtypes(cap, shift=0):  # (the two in other orders: each pairing drawn within the CPU budget)
+                choices = domains.any_dtype(dtype)
+                return draw(st.sampled_from(choices[shift:] + choices[:shift])) if caps[cap] == "any" else dtype
 
             return Plan(
-                draw(seeds()), dtype, dtypes("weight_dtypes"), dtypes("cache_dtypes"),
+                draw(seeds()), dtype, dtypes("weight_dtypes"), dtypes("cache_dtypes", 1),
                 draw(st.sampled_from((torch.int64, torch.int32))) if caps["int32_positions"] else torch.int64,
                 draw(st.integers(1, lim["t"])), draw(st.integers(1, lim["h"])), hk,
                 draw(st.sampled_from((0, hk, hk + 1))), d, rot, draw(st.integers(1, lim["rows"])),
@@ -155,3 +156,33 @@ def tokens_independent(conv, fn, caps, plan):
 
 VLLMQKNorm.INVARIANTS = {"v_untouched": v_untouched, "tokens_independent": tokens_independent}
 CONVENTION = VLLMQKNorm()
+
+
+def _any(cap):
+    return lambda caps: caps[cap] == "any"
+
+
+VLLMQKNorm.DOMAIN = {
+    "qkv": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("qkv"),
+            *domains.sizes(lambda p: p.t, "", "tokens", empty=False)),
+    "num_heads_q": domains.sizes(lambda p: p.hq, "", empty=False, pow2=True),
+    "num_heads_k": domains.head_counts(lambda p: (p.hq, p.hk), cap=""),
+    "num_heads_v": (domains.cls("0", lambda p, c: p.hv == 0), domains.cls("as many as k", lambda p, c: p.hv == p.hk),
+                    domains.cls("another count", lambda p, c: p.hv not in (0, p.hk))),
+    "head_dim": (*domains.odd_heads(lambda p: p.d, "head_dims"),
+                 *domains.sizes(lambda p: p.d, "", empty=False, one=False)),
+    "eps": domains.flags(lambda p: p.eps, EPS_VALUES),
+    "q_weight": domains.pairings(lambda p: (p.dtype, p.weight_dtype), "", "weight_dtypes",
+                                 mixed_off=lambda caps: not _any("weight_dtypes")(caps),
+                                 float32_off=lambda caps: not _any("weight_dtypes")(caps)),
+    "k_weight": (domains.cls("q_weight's dtype", lambda p, c: True),),
+    "cos_sin_cache": (*domains.pairings(lambda p: (p.dtype, p.cache_dtype), "", "cache_dtypes",
+                                        mixed_off=lambda caps: not _any("cache_dtypes")(caps),
+                                        float32_off=lambda caps: not _any("cache_dtypes")(caps)),
+                      *domains.layouts("cos_sin_cache"),
+                      *domains.widths(lambda p: (p.rot, p.d))),
+    "is_neox": domains.flags(lambda p: p.is_neox, (True, False), ("half-split (True)", "interleaved (False)"),
+                             allowed=lambda caps: caps["is_neox"]),
+    "position_ids": (*domains.index_dtypes(lambda p: p.positions_dtype, "int32_positions"),
+                     *domains.layouts("position_ids")),
+}

@@ -33,11 +33,11 @@ def k_rotates_q(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
 def unsqueeze_dim_ignored(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Positions read along dim 2 whatever unsqueeze_dim says: [b, s, h, d] rotated by the heads' index."""
     out = torch.promote_types(q.dtype, cos.dtype)
-    if unsqueeze_dim == 1:
+    if unsqueeze_dim == 1 or not cos.shape[1]:  # (no tokens: nothing to read along any dim)
         return correct(q, k, cos, sin, position_ids, unsqueeze_dim)
 
     def embed(x):
-        idx = torch.arange(x.shape[2], device=cos.device) % cos.shape[1]
+        idx = torch.arange(x.shape[2], device=cos.device) % max(1, cos.shape[1])
         return _embed(x, cos[:, idx].unsqueeze(1), sin[:, idx].unsqueeze(1), out)
 
     return embed(q), embed(k)
@@ -171,6 +171,93 @@ def whole_head_tables_tiled(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return correct(q, k, cos[..., idx], sin[..., idx], position_ids, unsqueeze_dim)
 
 
+# ---- bugs of the declared classes (spec/domains.py): mixed 16-bit tables, s = 0, upstream gradient layouts, GQA
+# with one table per sequence
+
+def mixed_tables_cast_to_q(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """cos/sin of the other 16-bit dtype cast to q's first (a kernel built for tables in q's dtype or float32):
+    float16 q with bfloat16 tables is rounded through float16 and returned as float16, not the promoted float32."""
+    sixteen = (torch.float16, torch.bfloat16)
+    if q.dtype in sixteen and cos.dtype in sixteen and cos.dtype != q.dtype:
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    return correct(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+def empty_returns_flat(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """An early exit for s = 0 that returns flat empty tensors, not q's and k's shapes."""
+    if not q.numel():
+        out = torch.promote_types(q.dtype, cos.dtype)
+        return q.new_empty(0, dtype=out), k.new_empty(0, dtype=out)
+    return correct(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+def _dense_strides(shape) -> list:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= n
+    return strides
+
+
+class _GradReadAsContiguous(torch.autograd.Function):
+    """The rotation, whose backward reads the upstream gradient through dense strides from its data pointer (a
+    kernel handed g.data_ptr() alone): right for a contiguous g only."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, out_dtype):
+        ctx.save_for_backward(x, cos, sin)
+        ctx.out_dtype = out_dtype
+        return _embed(x, cos, sin, out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, cos, sin = ctx.saved_tensors
+        g = torch.as_strided(g, g.shape, _dense_strides(g.shape), g.storage_offset())
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(_embed(leaf, cos, sin, ctx.out_dtype), leaf, g)
+        return grad, None, None, None
+
+
+def grad_read_as_contiguous(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """The backward reads the upstream gradients as if they were contiguous: wrong for a strided one, out of bounds
+    for an expanded one (stride 0)."""
+    out = torch.promote_types(q.dtype, cos.dtype)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return _GradReadAsContiguous.apply(q, cos, sin, out), _GradReadAsContiguous.apply(k, cos, sin, out)
+
+
+class _KGradBatchByQHeads(torch.autograd.Function):
+    """k's rotation; its backward picks each (sequence, head) row's table by the row's index over q's head count
+    (row // hq) instead of k's: with GQA and one table per sequence, k's heads read other sequences' tables."""
+
+    @staticmethod
+    def forward(ctx, k, cos, sin, out_dtype, hq, dim):
+        ctx.save_for_backward(k, cos, sin)
+        ctx.out_dtype, ctx.hq, ctx.dim = out_dtype, hq, dim
+        return _embed(k, cos.unsqueeze(dim), sin.unsqueeze(dim), out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        k, cos, sin = ctx.saved_tensors
+        b, hk = k.shape[0], k.shape[ctx.dim]
+        batch = (torch.arange(b * hk, device=k.device) // ctx.hq).clamp(max=cos.shape[0] - 1)
+        c, s = (t[batch].unflatten(0, (b, hk)) for t in (cos, sin))  # [b, hk, s, r]
+        if ctx.dim == 2:
+            c, s = c.transpose(1, 2), s.transpose(1, 2)
+        with torch.enable_grad():
+            leaf = k.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(_embed(leaf, c, s, ctx.out_dtype), leaf, g)
+        return grad, None, None, None, None, None
+
+
+def k_grad_batch_by_q_heads(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """k's gradient wrong only under GQA (hk < hq) with one table per sequence (cos batch b > 1)."""
+    out = torch.promote_types(q.dtype, cos.dtype)
+    q_out = _embed(q, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim), out)
+    return q_out, _KGradBatchByQHeads.apply(k, cos, sin, out, q.shape[unsqueeze_dim], unsqueeze_dim)
+
+
 CORRECT = correct
 BUGS = {
     "k_rotates_q": (k_rotates_q, ("forward", "backward", "q_k_independent", "swap_q_k")),
@@ -191,4 +278,9 @@ BUGS = {
     "pass_through_zeroed": (pass_through_zeroed, ("forward", "partial_is_sliced")),
     "odd_tail_dropped": (odd_tail_dropped, ("forward", "partial_is_sliced")),
     "whole_head_tables_tiled": (whole_head_tables_tiled, ("forward", "partial_is_sliced")),
+    # the declared classes
+    "mixed_tables_cast_to_q": (mixed_tables_cast_to_q, ("forward",)),
+    "empty_returns_flat": (empty_returns_flat, ("forward",)),
+    "grad_read_as_contiguous": (grad_read_as_contiguous, ("backward",)),
+    "k_grad_batch_by_q_heads": (k_grad_batch_by_q_heads, ("backward",)),
 }

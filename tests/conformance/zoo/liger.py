@@ -98,8 +98,8 @@ def k_rows_by_q_heads(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     rotate_in_place(q, c, s_)
     row = torch.arange(b * s * hk, device=k.device).view(b, s, hk)
     token = (row // hq).clamp(max=b * s - 1)  # the token a row of q-sized groups falls in
-    ck = c.reshape(b * s, -1)[token].permute(0, 2, 1, 3)  # [b, hk, s, r/2]
-    sk = s_.reshape(b * s, -1)[token].permute(0, 2, 1, 3)
+    ck = c.reshape(b * s, c.shape[-1])[token].permute(0, 2, 1, 3)  # [b, hk, s, r/2]
+    sk = s_.reshape(b * s, c.shape[-1])[token].permute(0, 2, 1, 3)
     half = ck.shape[-1]
     kc, ks = ck.float(), sk.float()
     x1, x2 = k[..., :half].to(torch.float32, copy=True), k[..., half: 2 * half].to(torch.float32, copy=True)
@@ -160,12 +160,14 @@ class _ForwardAgainInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, c, s_):
         ctx.save_for_backward(c, s_)
+        ctx.width = x.shape[-1]
         return rotated(x, c, s_)
 
     @staticmethod
     def backward(ctx, g):
         c, s_ = ctx.saved_tensors
-        return rotated(g, c, s_), None, None  # R again, not its transpose
+        rest = g.new_zeros((*g.shape[:-1], ctx.width - g.shape[-1]))  # x's channels past the rotary width
+        return torch.cat([rotated(g, c, s_), rest], dim=-1), None, None  # R again, not its transpose
 
 
 def backward_not_transposed(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):

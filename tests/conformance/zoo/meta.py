@@ -114,6 +114,19 @@ def backward_not_conjugated(xq, xk, freqs_cis):
     return NotConjugated.apply(xq, f), NotConjugated.apply(xk, f)
 
 
+def reshape_as_meta(xq, xk, freqs_cis):
+    """Correct, written as Meta's reference writes it: x.float().reshape(*x.shape[:-1], -1, 2) cannot take s = 0
+    (-1 is ambiguous for an empty tensor), so it declares empty=false: certified without the empty class."""
+    f = broadcast(freqs_cis)
+    out = []
+    for x in (xq, xk):
+        pairs_ = torch.view_as_complex(x.float().contiguous().reshape(*x.shape[:-1], -1, 2))
+        out.append(torch.view_as_real(pairs_ * f).flatten(3).type_as(x))
+    return tuple(out)
+
+
+reshape_as_meta.rope_capabilities = {"empty": False}
+
 CORRECT = correct
 BUGS = {
     "half_split_pairs": (half_split_pairs, ("forward", "pair_norms")),

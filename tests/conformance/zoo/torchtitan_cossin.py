@@ -117,6 +117,14 @@ def backward_not_conjugated(query, key, cache, positions=None):
     return _NotConjugated.apply(query, cos, sin), _NotConjugated.apply(key, cos, sin)
 
 
+def explicit_none_positions_as_zero(query, key, cache, **kwargs):
+    """A wrapper that fills a positions keyword given as None with zeros: every token reads row 0 where passing
+    positions=None means what leaving it out means (token t reads row t)."""
+    if "positions" in kwargs and kwargs["positions"] is None:
+        kwargs["positions"] = torch.zeros(query.shape[0], dtype=torch.long, device=query.device)
+    return correct(query, key, cache, **kwargs)
+
+
 CORRECT = correct
 BUGS = {
     "interleaved_pairs": (interleaved_pairs, ("forward",)),
@@ -131,4 +139,6 @@ BUGS = {
     "key_ignores_positions": (key_ignores_positions, ("forward", "positions_gather", "swap_q_k")),
     "sin_rows_shifted": (sin_rows_shifted, ("forward", "inverse")),
     "backward_not_conjugated": (backward_not_conjugated, ("backward",)),
+    # an optional argument passed at its default
+    "explicit_none_positions_as_zero": (explicit_none_positions_as_zero, ("forward",)),
 }

@@ -22,17 +22,20 @@ def as_cache(x, cache, scale, fp8, multiply=False):
     return y.clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
 
 
-def cache_index(cache, slots, strides=None, swap=False):
-    """Storage index of each slot's [h, d] rows in `cache` [nb, bs, h, d] (strides: its own unless given)."""
+def cache_index(cache, slots, strides=None, swap=False, by_shift=False):
+    """Storage index of each slot's [h, d] rows in `cache` [nb, bs, h, d] (strides: its own unless given).
+    by_shift: block and offset by a shift and a mask, right for a power-of-two block_size only."""
     nb, bs, h, d = cache.shape
     s0, s1, s2, s3 = strides or cache.stride()
     block, offset = (slots % bs, slots // bs) if swap else (slots // bs, slots % bs)
+    if by_shift:
+        block, offset = slots >> (bs.bit_length() - 1), slots & (bs - 1)
     dev = cache.device
     return (cache.storage_offset() + block[:, None, None] * s0 + offset[:, None, None] * s1
             + torch.arange(h, device=dev)[None, :, None] * s2 + torch.arange(d, device=dev) * s3)
 
 
-def write(cache, rows, slots, strides=None, swap=False, minus_one_last=False):
+def write(cache, rows, slots, strides=None, swap=False, minus_one_last=False, by_shift=False):
     """rows [n, h, d] stored at `slots` (tokens with slot -1 skipped, or, minus_one_last, written at the last slot
     as Python's negative index reads it); indices past the storage masked, as a kernel's bounds check."""
     n_slots = cache.shape[0] * cache.shape[1]
@@ -41,7 +44,7 @@ def write(cache, rows, slots, strides=None, swap=False, minus_one_last=False):
         slots = torch.where(slots < 0, slots + n_slots, slots)
     keep = (slots >= 0) & (slots < n_slots)
     store = storage_of(cache)
-    idx = cache_index(cache, slots[keep], strides, swap)
+    idx = cache_index(cache, slots[keep], strides, swap, by_shift)
     vals = rows[keep]
     inside = idx < store.numel()
     store[idx[inside]] = vals[inside]
@@ -49,7 +52,7 @@ def write(cache, rows, slots, strides=None, swap=False, minus_one_last=False):
 
 def run(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox,
         kv_cache_dtype="auto", k_scale=None, v_scale=None, *, rotate_k=True, tokens=None, rotate_v=False,
-        cache_strides=None, swap=False, multiply=False, minus_one_last=False, store_before=False):
+        cache_strides=None, swap=False, multiply=False, minus_one_last=False, store_before=False, by_shift=False):
     t = positions.shape[0]
     d = key_cache.shape[-1]
     fp8 = kv_cache_dtype != "auto"
@@ -71,8 +74,8 @@ def run(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_
         rotate_all(positions, v_rows, None, d, cos_sin_cache, is_neox)
     slots = slot_mapping.long()
     m = slots.shape[0]
-    write(kc, as_cache(k_rows[:m], kc, k_scale, fp8, multiply), slots, cache_strides, swap, minus_one_last)
-    write(vc, as_cache(v_rows[:m], vc, v_scale, fp8, multiply), slots, cache_strides, swap, minus_one_last)
+    write(kc, as_cache(k_rows[:m], kc, k_scale, fp8, multiply), slots, cache_strides, swap, minus_one_last, by_shift)
+    write(vc, as_cache(v_rows[:m], vc, v_scale, fp8, multiply), slots, cache_strides, swap, minus_one_last, by_shift)
 
 
 def correct(*args, **kw):
@@ -132,6 +135,12 @@ def unrotated_k_stored(*args, **kw):
     run(*args, store_before=True, **kw)
 
 
+def block_by_shift(*args, **kw):
+    """slot -> (block, offset) by a shift and a mask (slot >> log2(block_size), slot & (block_size - 1)), as a
+    kernel written for power-of-two block sizes computes them: other block sizes store k and v in wrong rows."""
+    run(*args, **kw, by_shift=True)
+
+
 CORRECT = correct
 BUGS = {
     "k_not_written_back": (k_not_written_back, ("forward", "equals_rope_then_write")),
@@ -143,4 +152,6 @@ BUGS = {
     "fp8_scale_multiplied": (fp8_scale_multiplied, ("forward", "equals_rope_then_write")),
     "minus_one_written_last": (minus_one_written_last, ("forward",)),
     "unrotated_k_stored": (unrotated_k_stored, ("forward", "equals_rope_then_write")),
+    # a block_size that is not a power of two
+    "block_by_shift": (block_by_shift, ("forward",)),
 }
