@@ -102,10 +102,11 @@ SELECTION = {
                       + " " + nodes("test_native.py", "test_forward[hf]", folder="tests/conformance")
                       + " " + nodes("test_compile.py", "test_conventions_trace_as_the_reference"),
     "rope/_launch.py": f"{PROPS} {KERNEL} {API} {QK}",
-    "rope/kernels/_common.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/rope/test_mrope.py tests/rope/test_qknorm.py "
-                               "tests/rope/test_serving.py",
+    "rope/kernels/_common.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/rope/test_mrope.py "
+                               "tests/rope/test_qknorm.py tests/rope/test_serving.py",
     "rope/kernels/rope.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/rope/test_mrope.py",
-    "rope/kernels/qknorm.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_qknorm.py tests/conformance/test_native.py -k qknorm",
+    "rope/kernels/qknorm.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_qknorm.py tests/conformance/test_native.py "
+                              "-k qknorm",
     "rope/kernels/cache_write.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_serving.py tests/conformance/test_native.py "
                                    "-k cache",
     "rope/_ops.py": nodes("test_compile.py", "test_opcheck", "test_compiled_errors_on_bad_input",

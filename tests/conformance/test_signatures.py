@@ -6,7 +6,7 @@ Compatible: every name of SIGNATURE accepted (a parameter of that name, or **kwa
 passes positionally (the convention's first few) in SIGNATURE's order with nothing of their own between them,
 and no required parameter SIGNATURE lacks. Extra optional parameters are allowed (Gemma 3n's unused position_ids
 before unsqueeze_dim, which the suite passes by keyword); *args and **kwargs wrappers and functools.partial
-(inspect.signature) are read as what they accept. Runs for whatever --rope-impl names (`target.native.fns`).
+(inspect.signature) are read as what they accept. Runs for whatever --rope-impl names (`target.fns`).
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def describe(fn) -> str:
 
 @pytest.mark.parametrize("name", CONVENTIONS)
 def test_signature(target, name):
-    fn = target.native.fns.get(name)
+    fn = target.fns.get(name)
     if fn is None:
         pytest.skip(f"{target.name} has no {name} call")
     conv = spec.load(name)

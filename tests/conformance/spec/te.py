@@ -27,7 +27,7 @@ from ..contract import Returned, Snapshot
 from ..positions import token_positions
 from ..run import make_case
 from ..tensors import DEVICE, DTYPES, Layout, contiguous, layouts, seeds
-from . import Case, Convention, Expect, small
+from . import Case, Convention, Expect, domains, small
 
 FORMATS = ("sbhd", "bshd", "thd")
 GRAD_LAYOUTS = ("contiguous", "strided", "expanded")
@@ -59,6 +59,11 @@ class Plan(NamedTuple):
     last_stride: int  # t's last-dim stride: 1, or 2 (every other element of a wider buffer)
     freqs_layout: Layout
     grad_layout: str  # the upstream gradient: contiguous, strided (permuted, last-dim stride 2) or expanded
+
+    @property
+    def explicit_defaults(self) -> bool:
+        """Whether the call passes its optional arguments at their defaults (domains.settle_defaults)."""
+        return self.spelling == "explicit"
 
 
 def max_start() -> int:
@@ -129,13 +134,15 @@ class TE(Convention):
         "cp_start_positions": (True, "start_positions together with cp_size > 1"),
         "strides": (True, "t as a view: permuted, padded, size-1 dims with odd strides, last-dim stride 2"),
         "freqs_strides": (True, "freqs as a view (a window of wider angles, permuted)"),
-        "grad_strides": (True, "upstream gradients strided (permuted, last-dim stride 2) and expanded (stride 0)"),
         "empty": (True, "tensors with no elements: s = 0, b = 0, h = 0, thd without tokens or without sequences"),
         "backward": (True, "the gradient of t"),
         "bad_input": (True, "bad input refused with TypeError/ValueError whose message starts with the argument, "
                             "before anything is written (docs/contract.md section 5)"),
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
     }
+
+    OPTIONAL = {"tensor_format": "sbhd", "start_positions": None, "interleaved": False, "cu_seqlens": None,
+                "cp_size": 1, "cp_rank": 0}
 
     def plans(self, caps):
         # Triton's interpreter runs one program per token (or token group) after another: few tokens on the CPU.
@@ -147,6 +154,9 @@ class TE(Convention):
 
         @st.composite
         def draw(draw):
+            # first: Hypothesis varies its earliest choices most, and every optional argument's explicit default is
+            # a declared class (domains.optional)
+            spelling = draw(st.sampled_from(("minimal", "explicit") if caps["explicit_defaults"] else ("minimal",)))
             dtype = draw(st.sampled_from(caps["dtypes"]))
             d = draw(st.sampled_from(lim["dims"] if caps["partial"] else tuple(v for v in lim["dims"] if v % 2 == 0)))
             # d2 = 2 (one pair) and d2 < d drawn as often as the full head
@@ -173,10 +183,9 @@ class TE(Convention):
                 if caps["start_positions"] else None
             if cp > 1 and not caps["cp_start_positions"]:
                 start = None
-            spelling = draw(st.sampled_from(("minimal", "explicit")))
             nd = 3 if fmt == "thd" else 4
             strides = caps["strides"]
-            grads = GRAD_LAYOUTS if caps["grad_strides"] else ("contiguous",)
+            grads = grad_layouts(caps)
             freqs_dtype = draw(st.sampled_from(caps["freqs_dtypes"]))
             angle_log2 = draw(st.sampled_from((3, 3, 1, 17)))
             if freqs_dtype == torch.float16:  # its largest value is 65504: angles to 2^15 rad
@@ -257,7 +266,7 @@ class TE(Convention):
             and not caps["cp_start_positions"],
             "strides": (plan.t_layout != contiguous(nd) or plan.last_stride != 1) and not caps["strides"],
             "freqs strides": plan.freqs_layout != contiguous(4) and not caps["freqs_strides"],
-            "gradient strides": plan.grad_layout != "contiguous" and not caps["grad_strides"],
+            "gradient strides": plan.grad_layout not in grad_layouts(caps),
             "empty tensors": 0 in (*lead_shape(plan), plan.h) and not caps["empty"],
         }
         return next((why for why, lacking in needs.items() if lacking), None)
@@ -266,7 +275,9 @@ class TE(Convention):
         return "out"
 
     def upstream(self, case, name, g):
-        return upstream_as(case.plan.grad_layout, g)
+        """The plan's own gradient layout where the backward property passes a contiguous one (the invariants lay
+        out theirs from the plan too)."""
+        return upstream_as(case.plan.grad_layout, g) if g.is_contiguous() else g
 
 
 def pin(tensor_format="sbhd", dtype=torch.float32, s=4, b=2, lengths=(), h=2, d=16, rot=None, seed=0, **fields):
@@ -304,6 +315,12 @@ TE.PINS = (
     pin("sbhd", s=0, freqs_dtype=torch.float64, seed=17),  # no tokens
     pin("thd", lengths=(), h=3, spelling="explicit", positional=4, seed=18),  # no sequences
 )
+
+
+def grad_layouts(caps) -> tuple:
+    """The upstream-gradient layouts a target takes (the generic strided_grads and expanded_grads capabilities)."""
+    return tuple(k for k, cap in zip(GRAD_LAYOUTS, ("", "strided_grads", "expanded_grads"), strict=True)
+                 if not cap or caps[cap])
 
 
 def upstream_as(kind: str, g: torch.Tensor) -> torch.Tensor:
@@ -612,8 +629,9 @@ def layouts_agree(conv, fn, caps, plan):
     if caps["strides"] and p.t_layout == contiguous(len(p.t_layout.order)) and p.last_stride == 1:
         nd = len(p.t_layout.order)
         p = p._replace(t_layout=Layout((1, 0, *range(2, nd)), (1,) + (0,) * (nd - 1)), last_stride=2)
-    if caps["grad_strides"] and p.grad_layout == "contiguous":
-        p = p._replace(grad_layout=("strided", "expanded")[plan.seed % 2])
+    other = grad_layouts(caps)[1:]
+    if other and p.grad_layout == "contiguous":
+        p = p._replace(grad_layout=other[plan.seed % len(other)])
     case = make_case(conv, caps, p)
     t = case.args["t"]
     out, grad, up = forward_backward(fn, case)
@@ -866,3 +884,38 @@ TE.INVARIANTS = {
     "refuses_bad_input": refuses_bad_input,
 }
 CONVENTION = TE()
+
+
+TE.DOMAIN = {
+    "t": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("t"),
+          *domains.sizes(lambda p: p.s if p.tensor_format != "thd" else sum(p.lengths) // p.cp_size, "empty",
+                         "tokens"),
+          *domains.sizes(lambda p: p.h, "empty", "heads"),
+          *domains.odd_heads(lambda p: p.d)),
+    "freqs": (*domains.dtypes(lambda p: p.freqs_dtype, "freqs_dtypes",
+                              (torch.float32, torch.float16, torch.bfloat16, torch.float64)),
+              *domains.layouts("freqs", "freqs_strides"),
+              *domains.widths(lambda p: (p.rot, p.d)),
+              domains.cls("pairs share an angle", lambda p, c: p.equal_halves),
+              domains.cls("one angle per channel", lambda p, c: not p.equal_halves, "elementwise_freqs")),
+    "tensor_format": (*domains.optional("tensor_format", "bshd or thd",
+                                        other_off=lambda caps: set(caps["formats"]) <= {"sbhd"}),
+                      *domains.flags(lambda p: p.tensor_format, FORMATS, allowed=lambda caps: caps["formats"])),
+    "start_positions": (*domains.optional("start_positions", "a tensor [b]", "start_positions"),
+                        domains.cls("int32", lambda p, c: p.start_dtype == torch.int32, "start_positions"),
+                        domains.cls("int64", lambda p, c: p.start_dtype == torch.int64, "int64_start_positions")),
+    "interleaved": domains.optional("interleaved", "True", "interleaved"),
+    # never passed: the implementation's own default runs (TE's named target pins fused=True)
+    "fused": (domains.cls("omitted", lambda p, c: "fused" not in c.args),),
+    "cu_seqlens": (*domains.optional("cu_seqlens", "a tensor [n + 1] (thd)",
+                                     other_off=lambda caps: "thd" not in caps["formats"]),
+                   domains.cls("int32", lambda p, c: p.tensor_format == "thd" and p.cu_dtype == torch.int32,
+                               off=lambda caps: "thd" not in caps["formats"]),
+                   domains.cls("int64", lambda p, c: p.tensor_format == "thd" and p.cu_dtype == torch.int64,
+                               "int64_cu_seqlens",
+                               off=lambda caps: "thd" not in caps["formats"] or not caps["int64_cu_seqlens"]),
+                   domains.cls("an empty sequence", lambda p, c: p.tensor_format == "thd" and 0 in p.lengths,
+                               off=lambda caps: "thd" not in caps["formats"])),
+    "cp_size": domains.optional("cp_size", "2 or more", "context_parallel"),
+    "cp_rank": domains.optional("cp_rank", "rank > 0", "context_parallel"),
+}
