@@ -7,7 +7,6 @@ combination (a 16-bit dtype with an odd layout) is still drawn.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -20,6 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from . import run, spec
+from .draws import no_local_constants
 from .spec import domains
 
 ZOO_EXAMPLES = 150
@@ -57,35 +57,12 @@ def falsify(name, prop, fn, declared=None, max_examples=ZOO_EXAMPLES):
         else:
             check(conv, fn, caps, plan)
 
-    with _no_local_constants():
+    with no_local_constants():
         try:
             probe()
         except Exception as e:  # noqa: BLE001 - any failure is the verdict
             return e
     return None
-
-
-@contextlib.contextmanager
-def _no_local_constants():
-    """Hypothesis mixes into its draws constants found in the project's modules loaded so far (sys.modules), so a
-    derandomized run would depend on which tests ran before in the process; the zoo's verdicts must not. Within
-    this, that pool is empty (where Hypothesis has it)."""
-    try:
-        from hypothesis.internal.conjecture import providers
-    except ImportError:  # pragma: no cover - another Hypothesis layout: its draws as they are
-        yield
-        return
-    if not hasattr(providers, "_get_local_constants"):
-        yield
-        return
-    saved = providers._get_local_constants
-    providers._get_local_constants = lambda: providers.Constants()
-    providers.CONSTANTS_CACHE.cache.clear()
-    try:
-        yield
-    finally:
-        providers._get_local_constants = saved
-        providers.CONSTANTS_CACHE.cache.clear()
 
 
 CASES = [(name, bug, prop) for name, mod in zoo_modules().items() for bug, (_, props) in mod.BUGS.items()
