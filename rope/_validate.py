@@ -264,7 +264,8 @@ def set_value_checks(enabled: bool) -> None:
     for inference tensors (no version counter). With them off, a position outside `freqs` is still never
     read: the kernel writes NaN into that token's rotated channels instead.
     """
-    _VALUE_CHECKS[0] = bool(enabled)
+    check_bools(enabled=enabled)
+    _VALUE_CHECKS[0] = enabled
 
 
 def skip_value_checks(index: torch.Tensor) -> bool:

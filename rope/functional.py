@@ -69,8 +69,9 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
         # Traced code: checks on shapes become guards, the launch an opaque custom op.
         check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
                      allow_float64=False)
-        out = apply_traced(t, TracedCall(freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size,
-                                         cp_rank))
+        # freqs detached: the angles get no gradient, as in the eager kernel's call
+        out = apply_traced(t, TracedCall(freqs.detach(), start_positions, cu_seqlens, tensor_format, interleaved,
+                                         cp_size, cp_rank))
         return t.copy_(out) if inplace else out
     call = checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
     state = _state(call, freqs, cache, start_positions, cu_seqlens, inplace)

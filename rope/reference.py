@@ -69,8 +69,10 @@ def rows_at(table, pos):
 def rotate(t, cos, sin, interleaved):
     """t[..., :d2] rotated by per-channel cos/sin (broadcastable to it, d2 = their last size), the rest
     copied: channel i gets t_i cos_i + sigma(i) t_pi(i) sin_i. Arithmetic in float64 if t or the tables
-    are float64, else float32; rounded once to t.dtype. Every convention's reference ends here."""
+    are float64, else float32; rounded once to t.dtype. Every convention's reference ends here.
+    The gradient flows to t only: the angles get none, as on the kernel path (TransformerEngine's fused path)."""
     compute = torch.float64 if torch.float64 in (t.dtype, cos.dtype) else torch.float32
+    cos, sin = cos.detach(), sin.detach()
     d2 = cos.shape[-1]
     x = t[..., :d2].to(compute)
     partner, sign = partner_and_sign(d2, interleaved, t.device)
