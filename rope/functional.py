@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._apply import Rotation, TracedCall, apply, apply_traced, on_kernel_device
-from ._launch import angles_for, rotate, table_angles, token_index_for
-from ._validate import (
+from ._backend import Rotation, TracedCall, apply, apply_traced, checked_call, on_kernel_device
+from ._checks import (
     check_bools,
     check_disjoint,
     check_inplace,
@@ -14,13 +13,13 @@ from ._validate import (
     check_positions,
     check_static,
     check_t_and_freqs,
-    checked_call,
 )
+from ._launch import angles_for, rotate, table_angles, token_index_for
 from .cache import RoPECache
 
 
 def _state(call, freqs, cache, start_positions, cu_seqlens, inplace):
-    """The value checks of a checked call, then what its launches read (`_apply.apply`'s arguments)."""
+    """The value checks of a checked call, then what its launches read (`rope._backend.apply`'s arguments)."""
     if call.checks_values:
         check_positions(call.layout, call.tensor_format, start_positions, cu_seqlens, call.cp_size, call.cp_rank)
     angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
@@ -29,7 +28,7 @@ def _state(call, freqs, cache, start_positions, cu_seqlens, inplace):
 
 
 def _use_reference(fused, t) -> bool:
-    """fused=False asks for the reference; otherwise `_apply.on_kernel_device` decides (a t that is no tensor
+    """fused=False asks for the reference; otherwise `rope._backend.on_kernel_device` decides (a t that is no tensor
     goes on to the kernel path's checks, which name it)."""
     return not fused or (isinstance(t, torch.Tensor) and not on_kernel_device(t))
 

@@ -10,18 +10,16 @@ follows takes them). Angles come from `freqs` [s2, 1, 1, d2] or a `rope.RoPECach
 from __future__ import annotations
 
 from . import reference
-from ._apply import apply, kernel_runs
-from ._launch import angles_for, table_angles
-from ._validate import (
-    Call,
+from ._backend import Call, apply, call_for, kernel_runs
+from ._checks import (
     Layout,
-    call_for,
     check_mrope_section,
     check_pair,
     check_positions_in,
     check_stream_positions,
     check_t_and_freqs,
 )
+from ._launch import angles_for, table_angles
 from .cache import RoPECache
 
 

@@ -15,46 +15,11 @@ from __future__ import annotations
 import torch
 
 from . import _launch, reference
-from ._apply import kernel_runs
+from ._backend import Call, call_for, kernel_runs, norm_rotate
+from ._checks import Layout, check_cache_call, check_inplace, check_packed, check_positions_in, check_table_call
 from ._launch import Angles
-from ._qknorm_checks import check_cache_call, check_packed, check_table_call
-from ._validate import Call, Layout, call_for, check_inplace, check_positions_in
-
-
-class _QKNormFunction(torch.autograd.Function):
-    """Autograd of the fused op: the backward recomputes r from q and k (saved as given), docs/design.md."""
-
-    @staticmethod
-    def forward(ctx, state, q, k, q_weight, k_weight):
-        call, angles, start, index, pos_table, norm, eps = state
-        ctx.state = state
-        ctx.save_for_backward(q, k, q_weight, k_weight)
-        return _launch.norm_rotate_qk(call, q, k, (q_weight, k_weight), norm, eps, angles, start, index, pos_table)
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
-        call, angles, start, index, pos_table, norm, eps = ctx.state
-        q, k, q_weight, k_weight = ctx.saved_tensors
-        return None, *_launch.norm_rotate_qk_backward(call, grad_q, grad_k, q, k, (q_weight, k_weight), norm, eps,
-                                                      angles, start, index, pos_table)
-
-
-def _fused(qv, kv, q_weight, k_weight, state):
-    """The launch, differentiable where autograd records; `state`: (call, angles, start_positions, token index or
-    positions, pos_table, norm, eps)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (qv, kv, q_weight, k_weight)):
-        return _QKNormFunction.apply(state, qv, kv, q_weight, k_weight)
-    call, angles, start, index, pos_table, norm, eps = state
-    return _launch.norm_rotate_qk(call, qv, kv, (q_weight, k_weight), norm, eps, angles, start, index, pos_table)
-
-
-def reference_norm_rope(x, weight, eps, gemma, cos, sin, interleaved):
-    """The PyTorch path (CPU, and traced by torch.compile): float32 RMSNorm over the head, the weight, then
-    `reference.rotate` by per-channel cos/sin broadcast against x[..., :rot]; one rounding to x's dtype."""
-    xf = x.float()
-    n = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    w = weight.float() + 1.0 if gemma else weight.float()
-    return reference.rotate(n * w, cos, sin, interleaved).to(x.dtype)
+from .qknorm_te import apply_freqs
+from .reference import norm_rope as reference_norm_rope
 
 
 def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interleaved=False, gemma=False):
@@ -75,7 +40,7 @@ def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interle
                     False)
     key = ("qknorm", qv.shape, qv.stride(), qv.dtype, qv.device, kv.shape[2], rot, interleaved)
     call = call_for(key, lambda: Call(Layout(s, b, hq, d, rot, s, 0), "bshd", interleaved, None, None, 1, 0))
-    qo, ko = _fused(qv, kv, q_weight.contiguous(), k_weight.contiguous(),
+    qo, ko = norm_rotate(qv, kv, q_weight.contiguous(), k_weight.contiguous(),
                     (call, angles, None, None, False, 1 + gemma, eps))
     return (qo.transpose(1, 2), ko.transpose(1, 2)) if unsqueeze_dim == 1 else (qo, ko)
 
@@ -96,7 +61,7 @@ def apply_cache(q, k, q_weight, k_weight, positions, cos_sin_cache, eps=1e-6, is
         positions = positions.expand(3, q.shape[0])  # one stream for all three: stream stride 0
     if not kernel_runs(q):
         return _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams)
-    return _fused(q, k, q_weight.contiguous(), k_weight.contiguous(),
+    return norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(),
                   _cache_state(q, k, cos_sin_cache, positions, is_neox, gemma, eps, streams))
 
 
@@ -142,7 +107,5 @@ def _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox
     full = [tab.unsqueeze(-2) for tab in full]
     return tuple(reference_norm_rope(x, w, eps, gemma, *full, not is_neox) for x, w in ((q, q_weight), (k, k_weight)))
 
-
-from .qknorm_te import apply_freqs  # noqa: E402 - TransformerEngine's layouts, over this module's launch
 
 __all__ = ["apply", "apply_cache", "apply_freqs", "fused_qk_norm_rope", "reference_norm_rope"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import check_positions, check_static
+from ._checks import check_positions, check_static
 
 
 def partner_and_sign(rot_dim: int, interleaved: bool, device=None):
@@ -160,3 +160,12 @@ def token_tables(freqs, cache, pos, tensor_format, compute=torch.float32):
         return _per_token(rows_at(cache.cos, pos), rows_at(cache.sin, pos), tensor_format)
     f = rows_at(freqs[:, 0, 0, :].to(compute), pos)
     return _per_token(torch.cos(f), torch.sin(f), tensor_format)
+
+
+def norm_rope(x, weight, eps, gemma, cos, sin, interleaved):
+    """The PyTorch path (CPU, and traced by torch.compile): float32 RMSNorm over the head, the weight, then
+    `rotate` by per-channel cos/sin broadcast against x[..., :rot]; one rounding to x's dtype."""
+    xf = x.float()
+    n = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    w = weight.float() + 1.0 if gemma else weight.float()
+    return rotate(n * w, cos, sin, interleaved).to(x.dtype)

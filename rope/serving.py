@@ -18,9 +18,8 @@ from typing import Optional
 import torch
 
 from . import _launch, reference
-from ._apply import kernel_runs
-from ._serving_checks import check_sglang, check_slots_in, check_vllm
-from ._validate import check_positions_in
+from ._backend import kernel_runs
+from ._checks import check_positions_in, check_sglang, check_slots_in, check_vllm
 
 
 def rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox,

@@ -18,10 +18,16 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._apply import apply, kernel_runs
+from ._backend import Call, apply, call_for, kernel_runs
+from ._checks import (
+    Layout,
+    check_heads_pair,
+    check_positions_in,
+    check_tables,
+    check_token_positions,
+    complex_tables,
+)
 from ._launch import Angles
-from ._validate import Call, Layout, call_for, check_positions_in, check_tables, check_token_positions
-from .meta import check_heads_pair, complex_tables
 
 _NAMES = ("query", "key")
 

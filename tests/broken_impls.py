@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from rope import reference
-from rope._validate import check_positions, check_static
+from rope._checks import check_positions, check_static
 from rope.reference import partner_and_sign, token_positions
 
 

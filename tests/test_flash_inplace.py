@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rope
-import rope._apply
+import rope._backend
 
 from .cases import DEVICE, poison_outputs, reference_path  # noqa: F401
 from .numerics import assert_within_rounding

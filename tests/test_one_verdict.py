@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rope
-import rope._apply
+import rope._backend
 import rope._launch
 import rope.functional
 
@@ -312,7 +312,7 @@ def test_one_verdict_examples(name, change, checks):
 @pytest.mark.parametrize("name", list(ENTRIES))
 @pytest.mark.parametrize("on_reference", [True, False])
 def test_one_switch_decides_every_entry_point(name, on_reference):
-    """One rule (rope._apply.on_kernel_device) decides kernel or reference for every entry point: with it saying
+    """One rule (rope._backend.on_kernel_device) decides kernel or reference for every entry point: with it saying
     reference, no entry point launches; with it saying kernel, each one does."""
     built = build(name, "none", 3, None, True)
     with reference_path(on_reference), mock.patch.object(rope._launch, "run", wraps=rope._launch.run) as launches:
@@ -354,7 +354,7 @@ def test_switches_take_only_bools(setter, value):
     and keeps its state."""
     with pytest.raises(TypeError, match="^enabled: expected a bool"):
         setter(value)
-    assert rope._validate._VALUE_CHECKS[0] is True and rope._table._ENABLED[0] is True
+    assert rope._checks._VALUE_CHECKS[0] is True and rope._table._ENABLED[0] is True
 
 
 @pytest.mark.parametrize("argument,value,error", [
