@@ -2,9 +2,9 @@
 rule (`kernel_runs`), the autograd nodes around the launcher (`rope._launch`) and the custom op that traced code
 (`torch.compile`) records in place of the launch.
 
-A convention checks its arguments (`rope._checks`) into a `Call` found by `checked_call` or `call_for` and says what
-the kernel reads (`Angles`, positions); `apply` rotates t, or q and k in one launch, with a backward where autograd
-needs one; `norm_rotate` does the same for QK norm fused with RoPE.
+A convention checks its arguments (`rope._checks`), finds its `Call` by `checked_call` or `call_for` and says in a
+`rope._request.Request` what the kernel reads (angles, positions); `apply` rotates t, or q and k in one launch, with
+a backward where autograd needs one; `norm_rotate` does the same for QK norm fused with RoPE.
 
 `torch.ops.rope.rotate` is opaque, with a fake implementation (a new contiguous tensor). Its autograd is `Rotation`,
 the node of every rotation, which traced code records around it (`apply_traced`): the backward is the same op in the
@@ -16,9 +16,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _launch, _memo
+from . import _launch, _memo, reference
 from ._checks import check_static
 from ._launch import INTERPRET, rotate, rotate_qk
+from ._request import Request
 
 # The call memo: a repeated signature costs one dict lookup.
 
@@ -111,18 +112,18 @@ class TracedCall(NamedTuple):
 
 
 def _rotate(state, ts, backward):
-    """ts (t, or q and k) or their gradients rotated as `state` says: the launcher's state tuple (call, angles,
-    start_positions, token_index, pos_table, inplace), a `TracedCall`, or a function (t, backward) -> rotated t
-    (a convention's reference, for the leaf written in place). Returns a tuple."""
+    """ts (t, or q and k) or their gradients rotated as `state` says: a `Request`, a `TracedCall`, or a function
+    (t, backward) -> rotated t (a convention's reference, for the leaf written in place). Returns a tuple."""
     if isinstance(state, TracedCall):
         return (rotate_op(ts[0], *state, backward),)
     if callable(state):
         return (state(ts[0], backward),)
-    call, angles, start_positions, token_index, pos_table, inplace = state
+    inplace = state.inplace and not backward
     if len(ts) == 1:
-        return (rotate(call, ts[0], angles, start_positions, token_index, backward, inplace and not backward,
-                       pos_table),)
-    return rotate_qk(call, *ts, angles, start_positions, token_index, backward, inplace and not backward, pos_table)
+        return (rotate(state.call, ts[0], state.angles, state.start_positions, state.token_index, backward, inplace,
+                       state.pos_table),)
+    return rotate_qk(state.call, *ts, state.angles, state.start_positions, state.token_index, backward, inplace,
+                     state.pos_table)
 
 
 class Rotation(torch.autograd.Function):
@@ -173,20 +174,20 @@ def apply_traced(t, traced: TracedCall):
     return rotate_op(t, *traced, False)
 
 
-def apply(ts, call, angles, start_positions=None, token_index=None, pos_table=False, inplace=False):
-    """Rotated ts (a tuple: t, or q and k), differentiable in ts where autograd records."""
-    state = (call, angles, start_positions, token_index, pos_table, inplace)
+def apply(ts, request: Request):
+    """ts (a tuple: t, or q and k) rotated as `request` says, differentiable in ts where autograd records."""
+    inplace = request.inplace
     if len(ts) == 1 and leaf_written(ts[0], inplace):
-        return (write_leaf(ts[0], lambda t, backward: _rotate(state, (t,), backward)[0]),)
+        return (write_leaf(ts[0], lambda t, backward: _rotate(request, (t,), backward)[0]),)
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         written = "dirty" if inplace else None
         if inplace and len(ts) > 1 and (ts[0]._is_view() or ts[1]._is_view()):
             # Autograd rebases the history of a view written in place only for a Function of one output
             # (q and k sliced from a fused qkv projection): then one launch each.
-            return (Rotation.apply(state, written, ts[0])[0],
-                    Rotation.apply((call.for_tensor(ts[1]), *state[1:]), written, ts[1])[0])
-        return Rotation.apply(state, written, *ts)
-    return _rotate(state, ts, False)
+            return (Rotation.apply(request, written, ts[0])[0],
+                    Rotation.apply(request._replace(call=request.call.for_tensor(ts[1])), written, ts[1])[0])
+        return Rotation.apply(request, written, *ts)
+    return _rotate(request, ts, False)
 
 
 def on_kernel_device(x: torch.Tensor) -> bool:
@@ -223,24 +224,38 @@ class NormRotation(torch.autograd.Function):
     """Autograd of the fused op: the backward recomputes r from q and k (saved as given), docs/design.md."""
 
     @staticmethod
-    def forward(ctx, state, q, k, q_weight, k_weight):
-        call, angles, start, index, pos_table, norm, eps = state
-        ctx.state = state
+    def forward(ctx, request, q, k, q_weight, k_weight):
+        ctx.request = request
         ctx.save_for_backward(q, k, q_weight, k_weight)
-        return _launch.norm_rotate_qk(call, q, k, (q_weight, k_weight), norm, eps, angles, start, index, pos_table)
+        return _launch.norm_rotate_qk(request.call, q, k, (q_weight, k_weight), request.norm, request.eps,
+                                      request.angles, request.start_positions, request.token_index, request.pos_table)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        call, angles, start, index, pos_table, norm, eps = ctx.state
+        r = ctx.request
         q, k, q_weight, k_weight = ctx.saved_tensors
-        return None, *_launch.norm_rotate_qk_backward(call, grad_q, grad_k, q, k, (q_weight, k_weight), norm, eps,
-                                                      angles, start, index, pos_table)
+        return None, *_launch.norm_rotate_qk_backward(r.call, grad_q, grad_k, q, k, (q_weight, k_weight), r.norm,
+                                                      r.eps, r.angles, r.start_positions, r.token_index, r.pos_table)
 
 
-def norm_rotate(qv, kv, q_weight, k_weight, state):
-    """The launch, differentiable where autograd records; `state`: (call, angles, start_positions, token index or
-    positions, pos_table, norm, eps)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (qv, kv, q_weight, k_weight)):
-        return NormRotation.apply(state, qv, kv, q_weight, k_weight)
-    call, angles, start, index, pos_table, norm, eps = state
-    return _launch.norm_rotate_qk(call, qv, kv, (q_weight, k_weight), norm, eps, angles, start, index, pos_table)
+def norm_rotate(qv, kv, q_weight, k_weight, request: Request):
+    """RoPE(RMSNorm(x) * w) of q and k as `request` says (its `norm` and `eps`), differentiable where autograd
+    records. In place (vLLM's op, which has no backward and refuses a qkv that requires grad) records no graph,
+    whichever weights require grad."""
+    if not request.inplace and torch.is_grad_enabled() and any(t.requires_grad for t in (qv, kv, q_weight, k_weight)):
+        return NormRotation.apply(request, qv, kv, q_weight, k_weight)
+    return _launch.norm_rotate_qk(request.call, qv, kv, (q_weight, k_weight), request.norm, request.eps,
+                                  request.angles, request.start_positions, request.token_index, request.pos_table,
+                                  request.inplace)
+
+
+def rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, rows, interleaved, fp8=False,
+                     k_scale=None, v_scale=None) -> None:
+    """RoPE fused with the KV-cache write (`rope._launch.rotate_and_cache`'s arguments): the kernel, or its
+    definition in PyTorch (`rope.reference.rotate_and_cache`) where the kernel does not run."""
+    if kernel_runs(q):
+        _launch.rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, rows, interleaved, fp8,
+                                 k_scale, v_scale)
+        return
+    reference.rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, interleaved, fp8, k_scale,
+                               v_scale)

@@ -21,7 +21,8 @@ from ._checks import (
     check_rotary_width,
     check_tables,
 )
-from ._launch import Angles, token_index_for
+from ._launch import table_angles, token_index_for
+from ._request import Request
 
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
@@ -89,5 +90,5 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     if call.checks_values:
         check_positions(layout, fmt, start, cu_seqlens, 1, 0, names)
     token_index, pos_table = token_index_for(call, cu_seqlens)
-    angles = Angles(cos, sin, rows, cos.stride(0), 0, cos.stride(1), True, True)
-    return apply((x,), call, angles, start, token_index, pos_table, inplace)[0]
+    angles = table_angles(cos, sin, half=True)
+    return apply((x,), Request(call, angles, start, token_index, pos_table, inplace))[0]

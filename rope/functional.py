@@ -12,19 +12,19 @@ from ._checks import (
     check_pair,
     check_positions,
     check_static,
-    check_t_and_freqs,
 )
 from ._launch import angles_for, rotate, table_angles, token_index_for
+from ._request import Request
 from .cache import RoPECache
 
 
-def _state(call, freqs, cache, start_positions, cu_seqlens, inplace):
-    """The value checks of a checked call, then what its launches read (`rope._backend.apply`'s arguments)."""
+def _request(call, freqs, cache, start_positions, cu_seqlens, inplace) -> Request:
+    """The value checks of a checked call, then what its launches read."""
     if call.checks_values:
         check_positions(call.layout, call.tensor_format, start_positions, cu_seqlens, call.cp_size, call.cp_rank)
     angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
     token_index, pos_table = token_index_for(call, cu_seqlens)
-    return call, angles, start_positions, token_index, pos_table, inplace
+    return Request(call, angles, start_positions, token_index, pos_table, inplace)
 
 
 def _use_reference(fused, t) -> bool:
@@ -50,10 +50,8 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
         check_bools(fused=fused, inplace=inplace)
     if _use_reference(fused, t):
         # fused=True refuses float64 on every device, as the kernel does: a call's verdict never depends on it
-        check_t_and_freqs(t, freqs.as_freqs if isinstance(freqs, RoPECache) else freqs, tensor_format, interleaved,
-                          allow_float64=not fused)
-        out = reference.apply_rotary_pos_emb(t, freqs, tensor_format, start_positions, interleaved,
-                                             fused, cu_seqlens, cp_size, cp_rank)
+        out = reference.checked_apply(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
+                                      cp_rank, allow_float64=not fused)
         if inplace:
             check_inplace("t", t)
             return t.copy_(out)
@@ -73,13 +71,17 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
                                          cp_size, cp_rank))
         return t.copy_(out) if inplace else out
     call = checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
-    state = _state(call, freqs, cache, start_positions, cu_seqlens, inplace)
+    if call.checks_values:
+        check_positions(call.layout, call.tensor_format, start_positions, cu_seqlens, call.cp_size, call.cp_rank)
+    angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
+    token_index, pos_table = token_index_for(call, cu_seqlens)
     if inplace:  # after the value checks, in the reference's order
         check_inplace("t", t)
-    if t.requires_grad and torch.is_grad_enabled():
-        return Rotation.apply(state, "dirty" if inplace else None, t)[0]  # a leaf was refused above
-    # The eager no-grad call, the hot path: straight to the launcher, no tuples built or unpacked.
-    return rotate(call, t, state[1], start_positions, state[3], False, inplace, state[4])
+    if t.requires_grad and torch.is_grad_enabled():  # a leaf was refused above
+        return Rotation.apply(Request(call, angles, start_positions, token_index, pos_table, inplace),
+                              "dirty" if inplace else None, t)[0]
+    # The eager no-grad call, the hot path: straight to the launcher, no record built.
+    return rotate(call, t, angles, start_positions, token_index, False, inplace, pos_table)
 
 
 def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -110,10 +112,10 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
     freqs = freqs if cache is None else cache.as_freqs
     call = checked_call(q, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "q")
     checked_call(k, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "k")
-    state = _state(call, freqs, cache, start_positions, cu_seqlens, inplace)
+    request = _request(call, freqs, cache, start_positions, cu_seqlens, inplace)
     if inplace:
         _check_inplace_qk(q, k)
-    return apply((q, k), *state)
+    return apply((q, k), request)
 
 
 def _check_inplace_qk(q, k):

@@ -16,7 +16,8 @@ import torch
 from . import reference
 from ._backend import Call, apply, call_for, kernel_runs
 from ._checks import Layout, check_mrope_section, check_rotary_tables, heads_views
-from ._launch import Angles
+from ._launch import table_angles
+from ._request import Request
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -76,12 +77,12 @@ def _rotate(xs, views, cos, sin, unsqueeze_dim, interleaved=False, streams=None)
         cos, sin = cos.contiguous(), sin.contiguous()
     stream_dims = 0 if streams is None else 1
     per_batch = cos.shape[stream_dims] > 1
-    angles = Angles(cos, sin, s, cos.stride(-2), cos.stride(-3) if per_batch else 0, cos.stride(-1), True, interleaved,
-                    cos.stride(0) if stream_dims else 0, streams or (0, 0, 0, 0))
+    angles = table_angles(cos, sin, half=interleaved, per_batch=per_batch, per_stream=streams is not None,
+                          streams=streams or (0, 0, 0, 0))
     key = ("hf", views[0].shape, views[0].stride(), views[0].dtype, views[0].device, rot, interleaved,
            tuple(v.shape[2] for v in views[1:]))
     call = call_for(key, lambda: Call(Layout(s, b, h, d, rot, s, 0), "bshd", interleaved, None, None, 1, 0))
-    outs = apply(views, call, angles)
+    outs = apply(views, Request(call, angles))
     return tuple(o.transpose(1, 2) for o in outs) if unsqueeze_dim == 1 else tuple(outs)
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from . import reference
 from ._backend import Call, apply, call_for, kernel_runs
 from ._checks import Layout, check_heads_pair, complex_tables
-from ._launch import Angles
+from ._launch import table_angles
+from ._request import Request
 
 
 def apply_rotary_emb(xq, xk, freqs_cis):
@@ -27,7 +28,7 @@ def apply_rotary_emb(xq, xk, freqs_cis):
         full = [reference.full_width(t, True) for t in (cos, sin)]
         return tuple(reference.rotate(x, full[0].unsqueeze(-2), full[1].unsqueeze(-2), True) for x in (xq, xk))
     per_batch = cos.dim() == 3 and cos.shape[0] == b and b > 1
-    angles = Angles(cos, sin, s, cos.stride(-2), cos.stride(0) if per_batch else 0, cos.stride(-1), True, True)
+    angles = table_angles(cos, sin, half=True, per_batch=per_batch)
     key = ("meta", xq.shape, xq.stride(), xq.dtype, xq.device, xk.shape[2])
     call = call_for(key, lambda: Call(Layout(s, b, xq.shape[2], d, d, s, 0), "bshd", True, None, None, 1, 0))
-    return apply((xq, xk), call, angles)
+    return apply((xq, xk), Request(call, angles))

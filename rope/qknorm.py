@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _launch, reference
+from . import reference
 from ._backend import Call, call_for, kernel_runs, norm_rotate
 from ._checks import Layout, check_cache_call, check_inplace, check_packed, check_positions_in, check_table_call
-from ._launch import Angles
+from ._launch import table_angles
+from ._request import Request
 from .qknorm_te import apply_freqs
 from .reference import norm_rope as reference_norm_rope
 
@@ -36,12 +37,11 @@ def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interle
                      for x, w in ((q, q_weight), (k, k_weight)))
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    angles = Angles(cos, sin, s, cos.stride(-2), cos.stride(-3) if cos.shape[0] > 1 else 0, cos.stride(-1), True,
-                    False)
+    angles = table_angles(cos, sin, half=False, per_batch=cos.shape[0] > 1)
     key = ("qknorm", qv.shape, qv.stride(), qv.dtype, qv.device, kv.shape[2], rot, interleaved)
     call = call_for(key, lambda: Call(Layout(s, b, hq, d, rot, s, 0), "bshd", interleaved, None, None, 1, 0))
     qo, ko = norm_rotate(qv, kv, q_weight.contiguous(), k_weight.contiguous(),
-                    (call, angles, None, None, False, 1 + gemma, eps))
+                         Request(call, angles, norm=1 + gemma, eps=eps))
     return (qo.transpose(1, 2), ko.transpose(1, 2)) if unsqueeze_dim == 1 else (qo, ko)
 
 
@@ -62,7 +62,7 @@ def apply_cache(q, k, q_weight, k_weight, positions, cos_sin_cache, eps=1e-6, is
     if not kernel_runs(q):
         return _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams)
     return norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(),
-                  _cache_state(q, k, cos_sin_cache, positions, is_neox, gemma, eps, streams))
+                       _cache_request(q, k, cos_sin_cache, positions, is_neox, gemma, eps, streams))
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
@@ -82,21 +82,20 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
         q.copy_(qo)
         k.copy_(ko)
         return None
-    state = _cache_state(q, k, cos_sin_cache, position_ids, is_neox, False, eps)
-    _launch.norm_rotate_qk(state[0], q, k, (q_weight.contiguous(), k_weight.contiguous()), 1, eps, state[1], None,
-                           position_ids, True, inplace=True)
+    request = _cache_request(q, k, cos_sin_cache, position_ids, is_neox, False, eps)._replace(inplace=True)
+    norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(), request)
     return None
 
 
-def _cache_state(q, k, cache, positions, is_neox, gemma, eps, streams=(0, 0, 0, 0)):
-    """The launch state; with `streams`, positions [3, T] go to the kernel in its [streams, s, b] roles."""
+def _cache_request(q, k, cache, positions, is_neox, gemma, eps, streams=(0, 0, 0, 0)) -> Request:
+    """What the launch reads; with `streams`, positions [3, T] go to the kernel in its [streams, s, b] roles."""
     rows, rot = cache.shape
     t, hq, d = q.shape
     key = ("qknorm-cache", q.shape, q.stride(), q.dtype, q.device, k.shape[1], rot, rows, is_neox, positions.dtype)
     call = call_for(key, lambda: Call(Layout(t, 1, hq, d, rot, rows, 0), "thd", not is_neox, None, None, 1, 0))
-    angles = Angles(cache[:, :rot // 2], cache[:, rot // 2:], rows, cache.stride(0), 0, cache.stride(1), True, True,
-                    0, streams)
-    return call, angles, None, positions[..., None] if streams[0] else positions, True, 1 + gemma, eps
+    angles = table_angles(cache[:, :rot // 2], cache[:, rot // 2:], half=True, streams=streams)
+    return Request(call, angles, None, positions[..., None] if streams[0] else positions, True, norm=1 + gemma,
+                   eps=eps)
 
 
 def _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams=(0, 0, 0, 0)):

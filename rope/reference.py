@@ -141,11 +141,18 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
                          fused=False, cu_seqlens=None, cp_size=1, cp_rank=0):
     """Reference implementation with the signature of `rope.apply_rotary_pos_emb` (`fused` is ignored);
     `freqs` may be a `rope.RoPECache`, whose cos/sin rows are then read instead of evaluated."""
+    return checked_apply(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, True)
+
+
+def checked_apply(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                  allow_float64: bool):
+    """`apply_rotary_pos_emb` with its arguments checked once, float64 `t` accepted only with `allow_float64` (the
+    kernel path's rule where the reference runs in its place)."""
     cache = freqs if hasattr(freqs, "as_freqs") else None
     if cache is not None:
         freqs = cache.as_freqs
     layout = check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
-                          cp_rank, allow_float64=True)
+                          cp_rank, allow_float64=allow_float64)
     check_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     pos = token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, t.device)
     compute = torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32
@@ -169,3 +176,24 @@ def norm_rope(x, weight, eps, gemma, cos, sin, interleaved):
     n = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     w = weight.float() + 1.0 if gemma else weight.float()
     return rotate(n * w, cos, sin, interleaved).to(x.dtype)
+
+
+def rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, interleaved, fp8=False, k_scale=None,
+                     v_scale=None) -> None:
+    """The definition of RoPE fused with the KV-cache write (`rope.serving`): q and k rotated in place at `positions`
+    of the half tables cos, sin, then the rotated k and v stored at each token's slot (a slot outside the caches:
+    not stored); fp8 caches hold x / scale in float32, saturated, rounded to nearest even, as vLLM converts."""
+    full = [rows_at(full_width(tab, interleaved), positions.long()).unsqueeze(-2) for tab in (cos, sin)]
+    for x in (q, k):
+        x.copy_(rotate(x, *full, interleaved).to(x.dtype))
+    n = slots.shape[0]
+    slot = slots.long()
+    keep = (slot >= 0) & (slot < key_cache.shape[0] * key_cache.shape[1])
+    tokens = torch.arange(n, device=slot.device)[keep]
+    slot = slot[keep]
+    block, offset = slot // key_cache.shape[1], slot % key_cache.shape[1]
+    for cache, x, scale in ((key_cache, k, k_scale), (value_cache, v, v_scale)):
+        x = x[tokens]
+        if fp8:
+            x = (x.float() / scale.float()).clamp(-448.0, 448.0)
+        cache[block, offset] = x.to(cache.dtype)

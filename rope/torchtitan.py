@@ -27,7 +27,8 @@ from ._checks import (
     check_token_positions,
     complex_tables,
 )
-from ._launch import Angles
+from ._launch import table_angles
+from ._request import Request
 
 _NAMES = ("query", "key")
 
@@ -106,13 +107,13 @@ def _rotate(query, key, cos, sin, positions, interleaved: bool, table: str):
         full = [reference.full_width(tab, True) if interleaved else tab for tab in (cos, sin)]
         c, s = (reference.rows_at(tab, pos).unsqueeze(-2) for tab in full)
         return tuple(reference.rotate(x, c, s, interleaved) for x in (query, key))
-    angles = Angles(cos, sin, rows, cos.stride(0), 0, cos.stride(1), True, interleaved)
+    angles = table_angles(cos, sin, half=interleaved)
     if positions is None:  # tokens as [s = T, b = 1]: token t reads row t
         key_ = ("torchtitan", query.shape, query.stride(), query.dtype, query.device, key.shape[1], rows, interleaved)
         call = call_for(key_, lambda: Call(Layout(t_len, 1, n, h, h, rows, 0), "sbhd", interleaved, None, None, 1, 0))
-        qo, ko = apply((query.unsqueeze(1), key.unsqueeze(1)), call, angles)
+        qo, ko = apply((query.unsqueeze(1), key.unsqueeze(1)), Request(call, angles))
         return qo.squeeze(1), ko.squeeze(1)
     key_ = ("torchtitan-pos", query.shape, query.stride(), query.dtype, query.device, key.shape[1], rows, interleaved,
             positions.dtype)
     call = call_for(key_, lambda: Call(Layout(t_len, 1, n, h, h, rows, 0), "thd", interleaved, None, None, 1, 0))
-    return apply((query, key), call, angles, None, positions, True)
+    return apply((query, key), Request(call, angles, None, positions, True))

@@ -24,7 +24,8 @@ from ._checks import (
     check_token_positions,
     heads_view,
 )
-from ._launch import Angles
+from ._launch import table_angles
+from ._request import Request
 
 
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
@@ -105,5 +106,5 @@ def _rotate(q, k, cos, sin, cos_sin_cache, positions, is_neox, streams):
     key_ = ("vllm", q.shape, q.stride(), q.dtype, q.device, rot, rows, interleaved, positions.dtype)
     call = call_for(key_, lambda: Call(Layout(q.shape[0], 1, q.shape[1], q.shape[2], rot, rows, 0), "thd",
                                        interleaved, None, None, 1, 0))
-    angles = Angles(cos, sin, rows, cos_sin_cache.stride(0), 0, cos_sin_cache.stride(1), True, True, 0, streams)
-    apply(ts, call, angles, None, positions[..., None] if streams[0] else positions, True, True)
+    angles = table_angles(cos, sin, half=True, streams=streams)
+    apply(ts, Request(call, angles, None, positions[..., None] if streams[0] else positions, True, True))
