@@ -10,7 +10,6 @@ import torch
 
 import rope
 import rope._backend
-import rope._checks
 import rope._launch
 from tests.conformance import te_oracle
 
