@@ -384,3 +384,19 @@ def test_stress_refuses_threads_in_the_interpreter(processes, capsys):
         with pytest.raises(SystemExit) as refused:
             stress.main(["--impl", "rope", "--threads", "2", "--calls", "2", "--processes", processes])
     assert "not thread-safe" in str(refused.value.code), refused.value.code
+
+
+@pytest.mark.parametrize("name", [n for n, e in ENTRIES.items() if e.positions is not None])
+def test_positions_of_another_dtype_take_a_plan_of_their_own(name):
+    """A kernel compiled for int32 positions reads int64 ones as pairs of int32: the same call with the other integer
+    dtype of its positions (or start offsets) launches with a plan of its own, never the first one's."""
+    entry = ENTRIES[name]
+    plans = {}
+    for dtype in (torch.int32, torch.int64):
+        kwargs = dict(build(name, "none", 3, None, True).kwargs)
+        kwargs[entry.positions] = kwargs[entry.positions].to(dtype)
+        with mock.patch.object(rope._launch, "run", wraps=rope._launch.run) as launches:
+            entry.fn(**kwargs)
+        plans[dtype] = {id(c.args[0]) for c in launches.call_args_list}
+        assert plans[dtype], f"{name}: no launch"
+    assert not plans[torch.int32] & plans[torch.int64], f"{name}: int64 positions launched with int32's plan"
