@@ -174,12 +174,13 @@ def apply_traced(t, traced: TracedCall):
     return rotate_op(t, *traced, False)
 
 
-def apply(ts, request: Request):
-    """ts (a tuple: t, or q and k) rotated as `request` says, differentiable in ts where autograd records."""
-    inplace = request.inplace
-    if len(ts) == 1 and leaf_written(ts[0], inplace):
-        return (write_leaf(ts[0], lambda t, backward: _rotate(request, (t,), backward)[0]),)
+def apply(ts, call, angles, *, start_positions=None, token_index=None, pos_table=False, inplace=False):
+    """ts (a tuple: t, or q and k) rotated: `Request`'s fields by name. Differentiable in ts where autograd records,
+    which keeps them as a `Request`; the no-grad call builds none (the hot path: straight to the launcher)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        request = Request(call, angles, start_positions, token_index, pos_table, inplace)
+        if len(ts) == 1 and leaf_written(ts[0], inplace):
+            return (write_leaf(ts[0], lambda t, backward: _rotate(request, (t,), backward)[0]),)
         written = "dirty" if inplace else None
         if inplace and len(ts) > 1 and (ts[0]._is_view() or ts[1]._is_view()):
             # Autograd rebases the history of a view written in place only for a Function of one output
@@ -187,7 +188,9 @@ def apply(ts, request: Request):
             return (Rotation.apply(request, written, ts[0])[0],
                     Rotation.apply(request._replace(call=request.call.for_tensor(ts[1])), written, ts[1])[0])
         return Rotation.apply(request, written, *ts)
-    return _rotate(request, ts, False)
+    if len(ts) == 1:
+        return (rotate(call, ts[0], angles, start_positions, token_index, False, inplace, pos_table),)
+    return rotate_qk(call, *ts, angles, start_positions, token_index, False, inplace, pos_table)
 
 
 def on_kernel_device(x: torch.Tensor) -> bool:
@@ -238,15 +241,16 @@ class NormRotation(torch.autograd.Function):
                                                       r.eps, r.angles, r.start_positions, r.token_index, r.pos_table)
 
 
-def norm_rotate(qv, kv, q_weight, k_weight, request: Request):
-    """RoPE(RMSNorm(x) * w) of q and k as `request` says (its `norm` and `eps`), differentiable where autograd
-    records. In place (vLLM's op, which has no backward and refuses a qkv that requires grad) records no graph,
-    whichever weights require grad."""
-    if not request.inplace and torch.is_grad_enabled() and any(t.requires_grad for t in (qv, kv, q_weight, k_weight)):
-        return NormRotation.apply(request, qv, kv, q_weight, k_weight)
-    return _launch.norm_rotate_qk(request.call, qv, kv, (q_weight, k_weight), request.norm, request.eps,
-                                  request.angles, request.start_positions, request.token_index, request.pos_table,
-                                  request.inplace)
+def norm_rotate(qv, kv, q_weight, k_weight, call, angles, *, norm, eps, start_positions=None, token_index=None,
+                pos_table=False, inplace=False):
+    """RoPE(RMSNorm(x) * w) of q and k (`Request`'s fields by name), differentiable where autograd records, which
+    keeps them as a `Request`. In place (vLLM's op, which has no backward and refuses a qkv that requires grad)
+    records no graph, whichever weights require grad."""
+    if not inplace and torch.is_grad_enabled() and any(t.requires_grad for t in (qv, kv, q_weight, k_weight)):
+        return NormRotation.apply(Request(call, angles, start_positions, token_index, pos_table, inplace, norm, eps),
+                                  qv, kv, q_weight, k_weight)
+    return _launch.norm_rotate_qk(call, qv, kv, (q_weight, k_weight), norm, eps, angles, start_positions, token_index,
+                                  pos_table, inplace)
 
 
 def rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, rows, interleaved, fp8=False,

@@ -1,8 +1,9 @@
-"""What a convention hands the back end beside the rotated tensors: one named record per call.
+"""What a rotation reads beside the rotated tensors, as one named record.
 
 A convention's front end checks its signature (`rope._checks`), finds the checked signature (`rope._backend.Call`) and
-says what the kernel reads; the back end (`rope._backend.apply`, `norm_rotate`) runs it, and autograd's node keeps it
-for the backward.
+passes what the kernel reads to the back end (`rope._backend.apply`, `norm_rotate`) by these names; where autograd
+records, the node keeps them as a `Request` for the backward. A call that records nothing builds none: the launcher
+takes the values directly (a record costs more host time than the launch path's own work).
 """
 from __future__ import annotations
 

@@ -22,7 +22,6 @@ from ._checks import (
     check_tables,
 )
 from ._launch import table_angles, token_index_for
-from ._request import Request
 
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
@@ -91,4 +90,5 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         check_positions(layout, fmt, start, cu_seqlens, 1, 0, names)
     token_index, pos_table = token_index_for(call, cu_seqlens)
     angles = table_angles(cos, sin, half=True)
-    return apply((x,), Request(call, angles, start, token_index, pos_table, inplace))[0]
+    return apply((x,), call, angles, start_positions=start, token_index=token_index, pos_table=pos_table,
+                 inplace=inplace)[0]

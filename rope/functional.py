@@ -18,13 +18,12 @@ from ._request import Request
 from .cache import RoPECache
 
 
-def _request(call, freqs, cache, start_positions, cu_seqlens, inplace) -> Request:
-    """The value checks of a checked call, then what its launches read."""
+def _read(call, freqs, cache, start_positions, cu_seqlens) -> tuple:
+    """The value checks of a checked call, then what its launches read: (angles, token index, pos_table)."""
     if call.checks_values:
         check_positions(call.layout, call.tensor_format, start_positions, cu_seqlens, call.cp_size, call.cp_rank)
     angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
-    token_index, pos_table = token_index_for(call, cu_seqlens)
-    return Request(call, angles, start_positions, token_index, pos_table, inplace)
+    return (angles, *token_index_for(call, cu_seqlens))
 
 
 def _use_reference(fused, t) -> bool:
@@ -71,10 +70,7 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
                                          cp_size, cp_rank))
         return t.copy_(out) if inplace else out
     call = checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
-    if call.checks_values:
-        check_positions(call.layout, call.tensor_format, start_positions, cu_seqlens, call.cp_size, call.cp_rank)
-    angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
-    token_index, pos_table = token_index_for(call, cu_seqlens)
+    angles, token_index, pos_table = _read(call, freqs, cache, start_positions, cu_seqlens)
     if inplace:  # after the value checks, in the reference's order
         check_inplace("t", t)
     if t.requires_grad and torch.is_grad_enabled():  # a leaf was refused above
@@ -112,10 +108,11 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
     freqs = freqs if cache is None else cache.as_freqs
     call = checked_call(q, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "q")
     checked_call(k, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "k")
-    request = _request(call, freqs, cache, start_positions, cu_seqlens, inplace)
+    angles, token_index, pos_table = _read(call, freqs, cache, start_positions, cu_seqlens)
     if inplace:
         _check_inplace_qk(q, k)
-    return apply((q, k), request)
+    return apply((q, k), call, angles, start_positions=start_positions, token_index=token_index, pos_table=pos_table,
+                 inplace=inplace)
 
 
 def _check_inplace_qk(q, k):

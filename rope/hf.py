@@ -17,7 +17,6 @@ from . import reference
 from ._backend import Call, apply, call_for, kernel_runs
 from ._checks import Layout, check_mrope_section, check_rotary_tables, heads_views
 from ._launch import table_angles
-from ._request import Request
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -82,7 +81,7 @@ def _rotate(xs, views, cos, sin, unsqueeze_dim, interleaved=False, streams=None)
     key = ("hf", views[0].shape, views[0].stride(), views[0].dtype, views[0].device, rot, interleaved,
            tuple(v.shape[2] for v in views[1:]))
     call = call_for(key, lambda: Call(Layout(s, b, h, d, rot, s, 0), "bshd", interleaved, None, None, 1, 0))
-    outs = apply(views, Request(call, angles))
+    outs = apply(views, call, angles)
     return tuple(o.transpose(1, 2) for o in outs) if unsqueeze_dim == 1 else tuple(outs)
 
 

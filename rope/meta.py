@@ -12,7 +12,6 @@ from . import reference
 from ._backend import Call, apply, call_for, kernel_runs
 from ._checks import Layout, check_heads_pair, complex_tables
 from ._launch import table_angles
-from ._request import Request
 
 
 def apply_rotary_emb(xq, xk, freqs_cis):
@@ -31,4 +30,4 @@ def apply_rotary_emb(xq, xk, freqs_cis):
     angles = table_angles(cos, sin, half=True, per_batch=per_batch)
     key = ("meta", xq.shape, xq.stride(), xq.dtype, xq.device, xk.shape[2])
     call = call_for(key, lambda: Call(Layout(s, b, xq.shape[2], d, d, s, 0), "bshd", True, None, None, 1, 0))
-    return apply((xq, xk), Request(call, angles))
+    return apply((xq, xk), call, angles)

@@ -20,7 +20,6 @@ from ._checks import (
     check_t_and_freqs,
 )
 from ._launch import angles_for, table_angles
-from ._request import Request
 from .cache import RoPECache
 
 
@@ -70,4 +69,4 @@ def _rotate(ts, names, freqs, positions, mrope_section, tensor_format, interleav
     call = call_for(key, lambda: Call(Layout(s, b, t.shape[-2], t.shape[-1], rot_dim, table.shape[0], 0),
                                       tensor_format, interleaved, None, None, 1, 0))
     angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
-    return apply(ts, Request(call, angles._replace(streams=streams), None, by_token, True))
+    return apply(ts, call, angles._replace(streams=streams), token_index=by_token, pos_table=True)

@@ -18,7 +18,6 @@ from . import reference
 from ._backend import Call, call_for, kernel_runs, norm_rotate
 from ._checks import Layout, check_cache_call, check_inplace, check_packed, check_positions_in, check_table_call
 from ._launch import table_angles
-from ._request import Request
 from .qknorm_te import apply_freqs
 from .reference import norm_rope as reference_norm_rope
 
@@ -40,8 +39,7 @@ def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interle
     angles = table_angles(cos, sin, half=False, per_batch=cos.shape[0] > 1)
     key = ("qknorm", qv.shape, qv.stride(), qv.dtype, qv.device, kv.shape[2], rot, interleaved)
     call = call_for(key, lambda: Call(Layout(s, b, hq, d, rot, s, 0), "bshd", interleaved, None, None, 1, 0))
-    qo, ko = norm_rotate(qv, kv, q_weight.contiguous(), k_weight.contiguous(),
-                         Request(call, angles, norm=1 + gemma, eps=eps))
+    qo, ko = norm_rotate(qv, kv, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1 + gemma, eps=eps)
     return (qo.transpose(1, 2), ko.transpose(1, 2)) if unsqueeze_dim == 1 else (qo, ko)
 
 
@@ -61,8 +59,9 @@ def apply_cache(q, k, q_weight, k_weight, positions, cos_sin_cache, eps=1e-6, is
         positions = positions.expand(3, q.shape[0])  # one stream for all three: stream stride 0
     if not kernel_runs(q):
         return _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams)
-    return norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(),
-                       _cache_request(q, k, cos_sin_cache, positions, is_neox, gemma, eps, streams))
+    call, angles = _cache_call(q, k, cos_sin_cache, positions, is_neox, streams)
+    return norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1 + gemma, eps=eps,
+                       token_index=positions[..., None] if streams[0] else positions, pos_table=True)
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
@@ -82,20 +81,21 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
         q.copy_(qo)
         k.copy_(ko)
         return None
-    request = _cache_request(q, k, cos_sin_cache, position_ids, is_neox, False, eps)._replace(inplace=True)
-    norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(), request)
+    call, angles = _cache_call(q, k, cos_sin_cache, position_ids, is_neox)
+    norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1, eps=eps,
+                token_index=position_ids, pos_table=True, inplace=True)
     return None
 
 
-def _cache_request(q, k, cache, positions, is_neox, gemma, eps, streams=(0, 0, 0, 0)) -> Request:
-    """What the launch reads; with `streams`, positions [3, T] go to the kernel in its [streams, s, b] roles."""
+def _cache_call(q, k, cache, positions, is_neox, streams=(0, 0, 0, 0)) -> tuple:
+    """(the checked signature, the angles) of a call at positions of vLLM's cos_sin_cache; with `streams`, positions
+    [3, T] go to the kernel in its [streams, s, b] roles."""
     rows, rot = cache.shape
     t, hq, d = q.shape
     key = ("qknorm-cache", q.shape, q.stride(), q.dtype, q.device, k.shape[1], rot, rows, is_neox, positions.dtype)
     call = call_for(key, lambda: Call(Layout(t, 1, hq, d, rot, rows, 0), "thd", not is_neox, None, None, 1, 0))
     angles = table_angles(cache[:, :rot // 2], cache[:, rot // 2:], half=True, streams=streams)
-    return Request(call, angles, None, positions[..., None] if streams[0] else positions, True, norm=1 + gemma,
-                   eps=eps)
+    return call, angles
 
 
 def _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams=(0, 0, 0, 0)):

@@ -8,7 +8,6 @@ from . import reference
 from ._backend import checked_call, kernel_runs, norm_rotate
 from ._checks import check_freqs_call
 from ._launch import angles_for, table_angles, token_index_for
-from ._request import Request
 from .cache import RoPECache
 from .reference import norm_rope as reference_norm_rope
 
@@ -31,8 +30,8 @@ def apply_freqs(q, k, q_weight, k_weight, freqs, tensor_format="sbhd", start_pos
                           interleaved, cu_seqlens, cp_size, cp_rank, eps, gemma)
     angles = angles_for(call, angles_in) if cache is None else table_angles(cache.cos, cache.sin, half=False)
     token_index, pos_table = token_index_for(call, cu_seqlens)
-    return norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(),
-                       Request(call, angles, start_positions, token_index, pos_table, norm=1 + gemma, eps=eps))
+    return norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1 + gemma, eps=eps,
+                       start_positions=start_positions, token_index=token_index, pos_table=pos_table)
 
 
 def _reference(q, k, q_weight, k_weight, freqs, cache, layout, tensor_format, start_positions, interleaved,

@@ -28,7 +28,6 @@ from ._checks import (
     complex_tables,
 )
 from ._launch import table_angles
-from ._request import Request
 
 _NAMES = ("query", "key")
 
@@ -111,9 +110,9 @@ def _rotate(query, key, cos, sin, positions, interleaved: bool, table: str):
     if positions is None:  # tokens as [s = T, b = 1]: token t reads row t
         key_ = ("torchtitan", query.shape, query.stride(), query.dtype, query.device, key.shape[1], rows, interleaved)
         call = call_for(key_, lambda: Call(Layout(t_len, 1, n, h, h, rows, 0), "sbhd", interleaved, None, None, 1, 0))
-        qo, ko = apply((query.unsqueeze(1), key.unsqueeze(1)), Request(call, angles))
+        qo, ko = apply((query.unsqueeze(1), key.unsqueeze(1)), call, angles)
         return qo.squeeze(1), ko.squeeze(1)
     key_ = ("torchtitan-pos", query.shape, query.stride(), query.dtype, query.device, key.shape[1], rows, interleaved,
             positions.dtype)
     call = call_for(key_, lambda: Call(Layout(t_len, 1, n, h, h, rows, 0), "thd", interleaved, None, None, 1, 0))
-    return apply((query, key), Request(call, angles, None, positions, True))
+    return apply((query, key), call, angles, token_index=positions, pos_table=True)

@@ -25,7 +25,6 @@ from ._checks import (
     heads_view,
 )
 from ._launch import table_angles
-from ._request import Request
 
 
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
@@ -107,4 +106,5 @@ def _rotate(q, k, cos, sin, cos_sin_cache, positions, is_neox, streams):
     call = call_for(key_, lambda: Call(Layout(q.shape[0], 1, q.shape[1], q.shape[2], rot, rows, 0), "thd",
                                        interleaved, None, None, 1, 0))
     angles = table_angles(cos, sin, half=True, streams=streams)
-    apply(ts, Request(call, angles, None, positions[..., None] if streams[0] else positions, True, True))
+    apply(ts, call, angles, token_index=positions[..., None] if streams[0] else positions, pos_table=True,
+          inplace=True)
