@@ -4,9 +4,9 @@ multimodal RoPE (`rope.mrope`, and in `rope.hf` and `rope.vllm`), Meta's Llama (
 torchtitan (`rope.torchtitan`); QK-RMSNorm fused with RoPE (`rope.qknorm`) and RoPE fused with the KV-cache write
 (`rope.serving`)."""
 from . import flash, hf, meta, mrope, qknorm, reference, serving, torchtitan, vllm
+from ._checks import set_value_checks
 from ._memo import clear as clear_caches
 from ._table import set_angle_table
-from ._validate import set_value_checks
 from .cache import RoPECache
 from .embedding import RotaryPositionEmbedding
 from .functional import apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb, apply_rotary_pos_emb_qk

@@ -64,14 +64,14 @@ _SEARCH_FANOUT = 32
 # QK norm's backward: each program writes its partial weight gradients (2 * d float32), so programs take several
 # work items in turn (at most _NORM_PROGRAMS_PER_SM programs per SM) of up to _NORM_ROWS rows each: the partials
 # stay about 1 MB, against the tens of MB of q and k, whatever the number of tokens. 8 programs per SM keep enough
-# loads in flight (benchmarks/qknorm_study.py, Qwen3-8B fwd+bwd: faster than 4 per SM at 4K and 16K tokens; 64 or 128
-# rows alike, 32 slower).
+# loads in flight: faster than 4 per SM (benchmarks/qknorm_study.py, Qwen3-8B forward and backward); 64 or 128 rows
+# alike, 32 slower.
 _NORM_PROGRAMS_PER_SM = 8
 _NORM_ROWS = 64
 # QK norm's forward holds a whole head per row in float32 until the row's sum of squares is known. For the 16-bit
 # half-split tile the compiler takes 128 registers per thread; 96 hold it without spilling (ptxas -v), and the
-# warps this adds per SM keep more loads in flight (benchmarks/qknorm_study.py, 4K tokens: Gemma's form and partial
-# rotary 64/128 faster, Qwen3-8B and d 256 unchanged; docs/design.md). The interleaved tile (77 registers)
+# warps this adds per SM keep more loads in flight (benchmarks/qknorm_study.py: faster for Gemma's form and partial
+# rotary, Qwen3-8B and d 256 unchanged; docs/design.md gives the times). The interleaved tile (77 registers)
 # and 32-bit types (70 for fp32 d 128) stay below it, and given a cap ptxas spends up to it (fp32: 94): they are
 # left to the compiler.
 _NORM_FWD_MAXNREG = 96
@@ -136,12 +136,18 @@ class Angles(NamedTuple):
 def freqs_angles(freqs: torch.Tensor, length: int) -> Angles:
     """`freqs` [s2, 1, 1, d2] as the kernel evaluates it."""
     freqs = freqs if freqs.dtype == torch.float32 else freqs.float()
-    return Angles(freqs, freqs, length, freqs.stride(0), 0, freqs.stride(-1), False, False)
+    return Angles(cos=freqs, sin=freqs, length=length, stride_s=freqs.stride(0), stride_b=0, stride_d=freqs.stride(-1),
+                  table=False, half=False)
 
 
-def table_angles(cos: torch.Tensor, sin: torch.Tensor, half: bool, batch_stride: int = 0) -> Angles:
-    """cos/sin tables [rows, columns] (columns: rotary channels, or pairs if `half`), equal strides."""
-    return Angles(cos, sin, cos.shape[0], cos.stride(0), batch_stride, cos.stride(-1), True, half)
+def table_angles(cos: torch.Tensor, sin: torch.Tensor, half: bool, per_batch: bool = False, per_stream: bool = False,
+                 streams: tuple = (0, 0, 0, 0)) -> Angles:
+    """cos/sin tables of equal strides, [rows, columns] (columns: rotary channels, or pairs if `half`), with
+    `per_batch` a table per batch entry ([b, rows, columns]), with `per_stream` one per position stream ([3, ...]);
+    `streams`: multimodal RoPE's (MROPE, SEC0, SEC1, SEC2)."""
+    return Angles(cos=cos, sin=sin, length=cos.shape[-2], stride_s=cos.stride(-2),
+                  stride_b=cos.stride(-3) if per_batch else 0, stride_d=cos.stride(-1), table=True, half=half,
+                  stride_m=cos.stride(0) if per_stream else 0, streams=streams)
 
 
 # The pointer arguments of each kernel, by name, in the order `run` is given their tensors: `kernel_args` checks them
@@ -458,7 +464,7 @@ def angles_for(call, freqs):
     if not call.interleaved:
         table = cos_sin_table(freqs, call.layout.freqs_len, call.layout.rot_dim)
         if table is not None:
-            return Angles(table[0], table[1], call.layout.freqs_len, call.layout.rot_dim, 0, 1, True, False)
+            return table_angles(table[0], table[1], half=False)
     return freqs_angles(freqs, call.layout.freqs_len)
 
 

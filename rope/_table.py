@@ -31,7 +31,9 @@ def set_angle_table(enabled: bool) -> None:
     `cu_seqlens` tensor (default), or evaluate sin/cos and search `cu_seqlens` in the kernel: the same
     results on a GPU. Turn tables off if `freqs` or `cu_seqlens` is written behind PyTorch's version
     counter, or to save their memory (2 x `freqs` in float32, 8 bytes per token of `cu_seqlens`)."""
-    _ENABLED[0] = bool(enabled)
+    if not isinstance(enabled, bool):  # a string or a number is not read as true or false
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+    _ENABLED[0] = enabled
     if not enabled:
         _TABLES.clear()
 
@@ -50,7 +52,8 @@ def evaluated():
 
 def _build(freqs: torch.Tensor, freqs_len: int, rot_dim: int):
     """(memory, (cos, sin)): the two tables are views of one allocation."""
-    angles = freqs.reshape(freqs_len, rot_dim).float()
+    # The kernel's angles get no gradient (as in TransformerEngine's fused path): the table is built outside autograd.
+    angles = freqs.detach().reshape(freqs_len, rot_dim).float()
     table = torch.empty((2, freqs_len, rot_dim), dtype=torch.float32, device=freqs.device)
     torch.cos(angles, out=table[0])
     torch.sin(angles, out=table[1])

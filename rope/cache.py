@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import FLOAT_DTYPES
 from ._cuda import capturing_on
-from ._validate import FLOAT_DTYPES
 
 
 class RoPECache:

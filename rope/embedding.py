@@ -1,9 +1,18 @@
 """`RotaryPositionEmbedding`: builds the angle tensor that `apply_rotary_pos_emb` consumes."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
+
+
+def _check_number(name: str, value) -> None:
+    """A real number > 0 and finite: a base or factor of 0, a negative one, inf or NaN gives angles of NaN or inf."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
 
 
 class RotaryPositionEmbedding(torch.nn.Module):
@@ -18,6 +27,17 @@ class RotaryPositionEmbedding(torch.nn.Module):
                  pretrained_max_position_embeddings: Optional[int] = None, rotary_base: float = 10000.0,
                  interleaved: bool = False, device=None):
         super().__init__()
+        _check_number("rotary_base", rotary_base)
+        _check_number("rotary_percent", rotary_percent)
+        if seq_len_interpolation_factor is not None:
+            _check_number("seq_len_interpolation_factor", seq_len_interpolation_factor)
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"dim: expected an int, got {type(dim).__name__}")
+        if pretrained_max_position_embeddings is not None and (
+                isinstance(pretrained_max_position_embeddings, bool) or
+                not isinstance(pretrained_max_position_embeddings, int) or pretrained_max_position_embeddings < 1):
+            raise ValueError(f"pretrained_max_position_embeddings: expected an int >= 1 or None, got "
+                             f"{pretrained_max_position_embeddings!r}")
         if rotary_percent < 1.0:
             dim = int(dim * rotary_percent)
         if dim < 2 or dim % 2:

@@ -10,20 +10,18 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._apply import apply, kernel_runs, leaf_written, write_leaf
-from ._launch import Angles, token_index_for
-from ._validate import (
-    Call,
+from ._backend import Call, apply, call_for, kernel_runs, leaf_written, write_leaf
+from ._checks import (
     Layout,
-    _check_index_tensor,
-    call_for,
     check_bools,
     check_float_tensor,
+    check_index_tensor,
     check_inplace,
     check_positions,
     check_rotary_width,
     check_tables,
 )
+from ._launch import table_angles, token_index_for
 
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
@@ -54,7 +52,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     else:
         raise TypeError(f"seqlen_offsets: expected an int or a tensor, got {type(seqlen_offsets).__name__}")
     if fmt == "thd":
-        _check_index_tensor("cu_seqlens", cu_seqlens, x, "x")
+        check_index_tensor("cu_seqlens", cu_seqlens, x, "x")
         if cu_seqlens.shape[0] < 1:
             raise ValueError("cu_seqlens: expected shape [b + 1], got an empty tensor")
         s, b, n_seqs = x.shape[0], 1, cu_seqlens.shape[0] - 1
@@ -64,7 +62,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
             raise ValueError(f"cos: too short: seqlen {s} from seqlen_offsets = {seqlen_offsets} needs "
                              f"{seqlen_offsets + s} rows (seqlen_ro), got {seqlen_offsets + rows}")
     if start is not None:
-        _check_index_tensor("seqlen_offsets", start, x, "x")
+        check_index_tensor("seqlen_offsets", start, x, "x")
         if start.shape[0] != (n_seqs if fmt == "thd" else b):
             raise ValueError(f"seqlen_offsets: expected one offset per sequence ({n_seqs if fmt == 'thd' else b}), "
                              f"got shape {tuple(start.shape)}")
@@ -91,5 +89,6 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     if call.checks_values:
         check_positions(layout, fmt, start, cu_seqlens, 1, 0, names)
     token_index, pos_table = token_index_for(call, cu_seqlens)
-    angles = Angles(cos, sin, rows, cos.stride(0), 0, cos.stride(1), True, True)
-    return apply((x,), call, angles, start, token_index, pos_table, inplace)[0]
+    angles = table_angles(cos, sin, half=True)
+    return apply((x,), call, angles, start_positions=start, token_index=token_index, pos_table=pos_table,
+                 inplace=inplace)[0]

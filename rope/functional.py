@@ -4,32 +4,30 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._apply import Rotation, TracedCall, apply, apply_traced, on_kernel_device
-from ._launch import angles_for, rotate, table_angles, token_index_for
-from ._validate import (
+from ._backend import Rotation, TracedCall, apply, apply_traced, checked_call, on_kernel_device
+from ._checks import (
     check_bools,
     check_disjoint,
     check_inplace,
     check_pair,
     check_positions,
     check_static,
-    check_t_and_freqs,
-    checked_call,
 )
+from ._launch import angles_for, rotate, table_angles, token_index_for
+from ._request import Request
 from .cache import RoPECache
 
 
-def _state(call, freqs, cache, start_positions, cu_seqlens, inplace):
-    """The value checks of a checked call, then what its launches read (`_apply.apply`'s arguments)."""
+def _read(call, freqs, cache, start_positions, cu_seqlens) -> tuple:
+    """The value checks of a checked call, then what its launches read: (angles, token index, pos_table)."""
     if call.checks_values:
         check_positions(call.layout, call.tensor_format, start_positions, cu_seqlens, call.cp_size, call.cp_rank)
     angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
-    token_index, pos_table = token_index_for(call, cu_seqlens)
-    return call, angles, start_positions, token_index, pos_table, inplace
+    return (angles, *token_index_for(call, cu_seqlens))
 
 
 def _use_reference(fused, t) -> bool:
-    """fused=False asks for the reference; otherwise `_apply.on_kernel_device` decides (a t that is no tensor
+    """fused=False asks for the reference; otherwise `rope._backend.on_kernel_device` decides (a t that is no tensor
     goes on to the kernel path's checks, which name it)."""
     return not fused or (isinstance(t, torch.Tensor) and not on_kernel_device(t))
 
@@ -51,10 +49,8 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
         check_bools(fused=fused, inplace=inplace)
     if _use_reference(fused, t):
         # fused=True refuses float64 on every device, as the kernel does: a call's verdict never depends on it
-        check_t_and_freqs(t, freqs.as_freqs if isinstance(freqs, RoPECache) else freqs, tensor_format, interleaved,
-                          allow_float64=not fused)
-        out = reference.apply_rotary_pos_emb(t, freqs, tensor_format, start_positions, interleaved,
-                                             fused, cu_seqlens, cp_size, cp_rank)
+        out = reference.checked_apply(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
+                                      cp_rank, allow_float64=not fused)
         if inplace:
             check_inplace("t", t)
             return t.copy_(out)
@@ -69,17 +65,19 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
         # Traced code: checks on shapes become guards, the launch an opaque custom op.
         check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
                      allow_float64=False)
-        out = apply_traced(t, TracedCall(freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size,
-                                         cp_rank))
+        # freqs detached: the angles get no gradient, as in the eager kernel's call
+        out = apply_traced(t, TracedCall(freqs.detach(), start_positions, cu_seqlens, tensor_format, interleaved,
+                                         cp_size, cp_rank))
         return t.copy_(out) if inplace else out
     call = checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
-    state = _state(call, freqs, cache, start_positions, cu_seqlens, inplace)
+    angles, token_index, pos_table = _read(call, freqs, cache, start_positions, cu_seqlens)
     if inplace:  # after the value checks, in the reference's order
         check_inplace("t", t)
-    if t.requires_grad and torch.is_grad_enabled():
-        return Rotation.apply(state, "dirty" if inplace else None, t)[0]  # a leaf was refused above
-    # The eager no-grad call, the hot path: straight to the launcher, no tuples built or unpacked.
-    return rotate(call, t, state[1], start_positions, state[3], False, inplace, state[4])
+    if t.requires_grad and torch.is_grad_enabled():  # a leaf was refused above
+        return Rotation.apply(Request(call, angles, start_positions, token_index, pos_table, inplace),
+                              "dirty" if inplace else None, t)[0]
+    # The eager no-grad call, the hot path: straight to the launcher, no record built.
+    return rotate(call, t, angles, start_positions, token_index, False, inplace, pos_table)
 
 
 def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -110,10 +108,11 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
     freqs = freqs if cache is None else cache.as_freqs
     call = checked_call(q, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "q")
     checked_call(k, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "k")
-    state = _state(call, freqs, cache, start_positions, cu_seqlens, inplace)
+    angles, token_index, pos_table = _read(call, freqs, cache, start_positions, cu_seqlens)
     if inplace:
         _check_inplace_qk(q, k)
-    return apply((q, k), *state)
+    return apply((q, k), call, angles, start_positions=start_positions, token_index=token_index, pos_table=pos_table,
+                 inplace=inplace)
 
 
 def _check_inplace_qk(q, k):

@@ -3,12 +3,20 @@ and `apply_multimodal_rotary_pos_emb` (Qwen2-VL's multimodal RoPE, section 7b).
 
 q, k (or x): [b, h, s, d] (unsqueeze_dim=1) or [b, s, h, d] (unsqueeze_dim=2); cos, sin: [b or 1, s, r], already
 gathered by position. r = cos.shape[-1] is the rotary width (even, r <= d): the first r channels are rotated,
-channels r.. pass through unchanged, as GPT-NeoX, Phi, StableLM and Qwen3-Next slice them (`rope._hf_path`).
+channels r.. pass through unchanged, as GPT-NeoX, Phi, StableLM and Qwen3-Next slice them.
+
+The kernel reads transformers' tables as they are: one column per channel of the rotary width r = cos.shape[-1]
+(rotate_half pairs (i, i + r/2) read columns i and i + r/2), or, for GLM's interleaved pairs (2i, 2i + 1), one
+column per pair, column i of the first half (`Angles.half`). Channels r.. are the kernel's pass-through tail.
 """
 from __future__ import annotations
 
-from ._hf_path import check_rotary_tables, heads_views, rotate
-from ._validate import check_mrope_section
+import torch
+
+from . import reference
+from ._backend import Call, apply, call_for, kernel_runs
+from ._checks import Layout, check_mrope_section, check_rotary_tables, heads_views
+from ._launch import table_angles
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -19,7 +27,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     to q and k."""
     views = heads_views((("q", q), ("k", k)), unsqueeze_dim)
     check_rotary_tables(cos, sin, views, "q", 0)
-    return rotate((q, k), views, cos, sin, unsqueeze_dim)
+    return _rotate((q, k), views, cos, sin, unsqueeze_dim)
 
 
 def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
@@ -28,7 +36,7 @@ def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
     flows to x."""
     views = heads_views((("x", x),), unsqueeze_dim)
     check_rotary_tables(cos, sin, views, "x", 0)
-    return rotate((x,), views, cos, sin, unsqueeze_dim)[0]
+    return _rotate((x,), views, cos, sin, unsqueeze_dim)[0]
 
 
 def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -39,7 +47,7 @@ def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
     as `apply_rotary_pos_emb`."""
     views = heads_views((("q", q), ("k", k)), unsqueeze_dim)
     check_rotary_tables(cos, sin, views, "q", 0)
-    return rotate((q, k), views, cos, sin, unsqueeze_dim, interleaved=True)
+    return _rotate((q, k), views, cos, sin, unsqueeze_dim, interleaved=True)
 
 
 def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1, mrope_interleaved=False):
@@ -52,7 +60,40 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
     views = heads_views((("q", q), ("k", k)), unsqueeze_dim)
     check_rotary_tables(cos, sin, views, "q", 1)
     streams = check_mrope_section(mrope_section, cos.shape[-1] // 2, mrope_interleaved)
-    return rotate((q, k), views, cos, sin, unsqueeze_dim, streams=streams)
+    return _rotate((q, k), views, cos, sin, unsqueeze_dim, streams=streams)
+
+
+def _rotate(xs, views, cos, sin, unsqueeze_dim, interleaved=False, streams=None) -> tuple:
+    """xs (q and k, or x; `views` their [b, s, h, d] views) rotated over the first r = cos.shape[-1] channels in one
+    launch; `streams` as `rope._launch.Angles` holds them for tables per stream (cos [3, b, s, r])."""
+    b, s, h, d = views[0].shape
+    rot = cos.shape[-1]
+    out_dtype = torch.promote_types(xs[0].dtype, cos.dtype)
+    if not kernel_runs(xs[0]) or out_dtype != xs[0].dtype:
+        # transformers' result in a wider dtype than q's: the reference computes it
+        return _reference(xs, cos, sin, unsqueeze_dim, out_dtype, interleaved, streams)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    stream_dims = 0 if streams is None else 1
+    per_batch = cos.shape[stream_dims] > 1
+    angles = table_angles(cos, sin, half=interleaved, per_batch=per_batch, per_stream=streams is not None,
+                          streams=streams or (0, 0, 0, 0))
+    key = ("hf", views[0].shape, views[0].stride(), views[0].dtype, views[0].device, rot, interleaved,
+           tuple(v.shape[2] for v in views[1:]))
+    call = call_for(key, lambda: Call(Layout(s, b, h, d, rot, s, 0), "bshd", interleaved, None, None, 1, 0))
+    outs = apply(views, call, angles)
+    return tuple(o.transpose(1, 2) for o in outs) if unsqueeze_dim == 1 else tuple(outs)
+
+
+def _reference(xs, cos, sin, unsqueeze_dim, out_dtype, interleaved, streams) -> tuple:
+    rot = cos.shape[-1]
+    if streams is not None:
+        stream = reference.section_of_pair(streams[1:], rot // 2, streams[0] == 2, cos.device)
+        cos, sin = (reference.select_streams(tab, stream, False) for tab in (cos, sin))
+    if interleaved:  # GLM: column i of the first half for both channels of pair i
+        cos, sin = (reference.full_width(tab[..., :rot // 2], True) for tab in (cos, sin))
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return tuple(reference.rotate(x.to(out_dtype), cos, sin, interleaved) for x in xs)
 
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_single", "apply_rotary_pos_emb_glm",

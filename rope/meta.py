@@ -8,12 +8,10 @@ result is that number times freqs_cis[.., i], in float32, rounded once to each i
 """
 from __future__ import annotations
 
-import torch
-
 from . import reference
-from ._apply import apply, kernel_runs
-from ._launch import Angles
-from ._validate import Call, Layout, call_for, check_float_tensor
+from ._backend import Call, apply, call_for, kernel_runs
+from ._checks import Layout, check_heads_pair, complex_tables
+from ._launch import table_angles
 
 
 def apply_rotary_emb(xq, xk, freqs_cis):
@@ -29,42 +27,7 @@ def apply_rotary_emb(xq, xk, freqs_cis):
         full = [reference.full_width(t, True) for t in (cos, sin)]
         return tuple(reference.rotate(x, full[0].unsqueeze(-2), full[1].unsqueeze(-2), True) for x in (xq, xk))
     per_batch = cos.dim() == 3 and cos.shape[0] == b and b > 1
-    angles = Angles(cos, sin, s, cos.stride(-2), cos.stride(0) if per_batch else 0, cos.stride(-1), True, True)
+    angles = table_angles(cos, sin, half=True, per_batch=per_batch)
     key = ("meta", xq.shape, xq.stride(), xq.dtype, xq.device, xk.shape[2])
     call = call_for(key, lambda: Call(Layout(s, b, xq.shape[2], d, d, s, 0), "bshd", True, None, None, 1, 0))
     return apply((xq, xk), call, angles)
-
-
-def check_heads_pair(q, k, names: tuple, ndim: int, shape: str) -> None:
-    """q and k of one call, [..., heads, d] with `ndim` dims: float32/float16/bfloat16 tensors of one dtype and
-    device, the same leading dims and an even head dim d; head counts may differ."""
-    for name, x in zip(names, (q, k), strict=True):
-        check_float_tensor(name, x)
-        if x.dim() != ndim:
-            raise ValueError(f"{name}: expected a {ndim}-D tensor {shape}, got shape {tuple(x.shape)}")
-    if k.dtype != q.dtype:
-        raise TypeError(f"{names[1]}: expected the dtype of {names[0]} ({q.dtype}), got {k.dtype}")
-    if k.device != q.device:
-        raise ValueError(f"{names[1]}: expected the device of {names[0]} ({q.device}), got {k.device}")
-    if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"{names[1]}: expected the tokens and head dim of {names[0]} (shape {tuple(q.shape)}, "
-                         f"heads may differ), got shape {tuple(k.shape)}")
-    if q.shape[-1] % 2 or q.shape[-1] == 0:
-        raise ValueError(f"{names[0]}: rotary pairs are channels (2i, 2i + 1): expected an even head dim, got "
-                         f"{q.shape[-1]}")
-
-
-def complex_tables(freqs_cis, x, x_name: str, name: str = "freqs_cis"):
-    """(cos, sin): the real and imaginary parts of complex64 `freqs_cis` as float32 views (stride 2 in
-    `view_as_real`'s memory), no copy; a lazily conjugated or negated tensor is resolved first (one copy)."""
-    if not isinstance(freqs_cis, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(freqs_cis).__name__}")
-    if freqs_cis.dtype != torch.complex64:
-        why = " (float64 math is refused on every path; convert with .to(torch.complex64))" \
-            if freqs_cis.dtype == torch.complex128 else ""
-        raise TypeError(f"{name}: expected dtype complex64 (torch.polar of float32 angles){why}, got "
-                        f"{freqs_cis.dtype}")
-    if freqs_cis.device != x.device:
-        raise ValueError(f"{name}: expected the device of {x_name} ({x.device}), got {freqs_cis.device}")
-    parts = torch.view_as_real(freqs_cis.resolve_conj().resolve_neg())  # each the tensor itself unless its bit is set
-    return parts[..., 0], parts[..., 1]

@@ -10,18 +10,16 @@ follows takes them). Angles come from `freqs` [s2, 1, 1, d2] or a `rope.RoPECach
 from __future__ import annotations
 
 from . import reference
-from ._apply import apply, kernel_runs
-from ._launch import angles_for, table_angles
-from ._validate import (
-    Call,
+from ._backend import Call, apply, call_for, kernel_runs
+from ._checks import (
     Layout,
-    call_for,
     check_mrope_section,
     check_pair,
     check_positions_in,
     check_stream_positions,
     check_t_and_freqs,
 )
+from ._launch import angles_for, table_angles
 from .cache import RoPECache
 
 
@@ -71,4 +69,4 @@ def _rotate(ts, names, freqs, positions, mrope_section, tensor_format, interleav
     call = call_for(key, lambda: Call(Layout(s, b, t.shape[-2], t.shape[-1], rot_dim, table.shape[0], 0),
                                       tensor_format, interleaved, None, None, 1, 0))
     angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
-    return apply(ts, call, angles._replace(streams=streams), None, by_token, True)
+    return apply(ts, call, angles._replace(streams=streams), token_index=by_token, pos_table=True)

@@ -14,47 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from . import _launch, reference
-from ._apply import kernel_runs
-from ._launch import Angles
-from ._qknorm_checks import check_cache_call, check_packed, check_table_call
-from ._validate import Call, Layout, call_for, check_inplace, check_positions_in
-
-
-class _QKNormFunction(torch.autograd.Function):
-    """Autograd of the fused op: the backward recomputes r from q and k (saved as given), docs/design.md."""
-
-    @staticmethod
-    def forward(ctx, state, q, k, q_weight, k_weight):
-        call, angles, start, index, pos_table, norm, eps = state
-        ctx.state = state
-        ctx.save_for_backward(q, k, q_weight, k_weight)
-        return _launch.norm_rotate_qk(call, q, k, (q_weight, k_weight), norm, eps, angles, start, index, pos_table)
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
-        call, angles, start, index, pos_table, norm, eps = ctx.state
-        q, k, q_weight, k_weight = ctx.saved_tensors
-        return None, *_launch.norm_rotate_qk_backward(call, grad_q, grad_k, q, k, (q_weight, k_weight), norm, eps,
-                                                      angles, start, index, pos_table)
-
-
-def _fused(qv, kv, q_weight, k_weight, state):
-    """The launch, differentiable where autograd records; `state`: (call, angles, start_positions, token index or
-    positions, pos_table, norm, eps)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (qv, kv, q_weight, k_weight)):
-        return _QKNormFunction.apply(state, qv, kv, q_weight, k_weight)
-    call, angles, start, index, pos_table, norm, eps = state
-    return _launch.norm_rotate_qk(call, qv, kv, (q_weight, k_weight), norm, eps, angles, start, index, pos_table)
-
-
-def reference_norm_rope(x, weight, eps, gemma, cos, sin, interleaved):
-    """The PyTorch path (CPU, and traced by torch.compile): float32 RMSNorm over the head, the weight, then
-    `reference.rotate` by per-channel cos/sin broadcast against x[..., :rot]; one rounding to x's dtype."""
-    xf = x.float()
-    n = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    w = weight.float() + 1.0 if gemma else weight.float()
-    return reference.rotate(n * w, cos, sin, interleaved).to(x.dtype)
+from . import reference
+from ._backend import Call, call_for, kernel_runs, norm_rotate
+from ._checks import Layout, check_cache_call, check_inplace, check_packed, check_positions_in, check_table_call
+from ._launch import table_angles
+from .qknorm_te import apply_freqs
+from .reference import norm_rope as reference_norm_rope
 
 
 def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interleaved=False, gemma=False):
@@ -71,12 +36,10 @@ def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interle
                      for x, w in ((q, q_weight), (k, k_weight)))
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    angles = Angles(cos, sin, s, cos.stride(-2), cos.stride(-3) if cos.shape[0] > 1 else 0, cos.stride(-1), True,
-                    False)
+    angles = table_angles(cos, sin, half=False, per_batch=cos.shape[0] > 1)
     key = ("qknorm", qv.shape, qv.stride(), qv.dtype, qv.device, kv.shape[2], rot, interleaved)
     call = call_for(key, lambda: Call(Layout(s, b, hq, d, rot, s, 0), "bshd", interleaved, None, None, 1, 0))
-    qo, ko = _fused(qv, kv, q_weight.contiguous(), k_weight.contiguous(),
-                    (call, angles, None, None, False, 1 + gemma, eps))
+    qo, ko = norm_rotate(qv, kv, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1 + gemma, eps=eps)
     return (qo.transpose(1, 2), ko.transpose(1, 2)) if unsqueeze_dim == 1 else (qo, ko)
 
 
@@ -96,8 +59,9 @@ def apply_cache(q, k, q_weight, k_weight, positions, cos_sin_cache, eps=1e-6, is
         positions = positions.expand(3, q.shape[0])  # one stream for all three: stream stride 0
     if not kernel_runs(q):
         return _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams)
-    return _fused(q, k, q_weight.contiguous(), k_weight.contiguous(),
-                  _cache_state(q, k, cos_sin_cache, positions, is_neox, gemma, eps, streams))
+    call, angles = _cache_call(q, k, cos_sin_cache, positions, is_neox, streams)
+    return norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1 + gemma, eps=eps,
+                       token_index=positions[..., None] if streams[0] else positions, pos_table=True)
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
@@ -117,21 +81,21 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
         q.copy_(qo)
         k.copy_(ko)
         return None
-    state = _cache_state(q, k, cos_sin_cache, position_ids, is_neox, False, eps)
-    _launch.norm_rotate_qk(state[0], q, k, (q_weight.contiguous(), k_weight.contiguous()), 1, eps, state[1], None,
-                           position_ids, True, inplace=True)
+    call, angles = _cache_call(q, k, cos_sin_cache, position_ids, is_neox)
+    norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1, eps=eps,
+                token_index=position_ids, pos_table=True, inplace=True)
     return None
 
 
-def _cache_state(q, k, cache, positions, is_neox, gemma, eps, streams=(0, 0, 0, 0)):
-    """The launch state; with `streams`, positions [3, T] go to the kernel in its [streams, s, b] roles."""
+def _cache_call(q, k, cache, positions, is_neox, streams=(0, 0, 0, 0)) -> tuple:
+    """(the checked signature, the angles) of a call at positions of vLLM's cos_sin_cache; with `streams`, positions
+    [3, T] go to the kernel in its [streams, s, b] roles."""
     rows, rot = cache.shape
     t, hq, d = q.shape
     key = ("qknorm-cache", q.shape, q.stride(), q.dtype, q.device, k.shape[1], rot, rows, is_neox, positions.dtype)
     call = call_for(key, lambda: Call(Layout(t, 1, hq, d, rot, rows, 0), "thd", not is_neox, None, None, 1, 0))
-    angles = Angles(cache[:, :rot // 2], cache[:, rot // 2:], rows, cache.stride(0), 0, cache.stride(1), True, True,
-                    0, streams)
-    return call, angles, None, positions[..., None] if streams[0] else positions, True, 1 + gemma, eps
+    angles = table_angles(cache[:, :rot // 2], cache[:, rot // 2:], half=True, streams=streams)
+    return call, angles
 
 
 def _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams=(0, 0, 0, 0)):
@@ -142,7 +106,5 @@ def _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox
     full = [tab.unsqueeze(-2) for tab in full]
     return tuple(reference_norm_rope(x, w, eps, gemma, *full, not is_neox) for x, w in ((q, q_weight), (k, k_weight)))
 
-
-from .qknorm_te import apply_freqs  # noqa: E402 - TransformerEngine's layouts, over this module's launch
 
 __all__ = ["apply", "apply_cache", "apply_freqs", "fused_qk_norm_rope", "reference_norm_rope"]

@@ -5,11 +5,11 @@ angles `freqs` [s2, 1, 1, rot] or a `rope.RoPECache`; per head y = RoPE(RMSNorm(
 from __future__ import annotations
 
 from . import reference
-from ._apply import kernel_runs
+from ._backend import checked_call, kernel_runs, norm_rotate
+from ._checks import check_freqs_call
 from ._launch import angles_for, table_angles, token_index_for
-from ._qknorm_checks import check_freqs_call
 from .cache import RoPECache
-from .qknorm import _fused, reference_norm_rope
+from .reference import norm_rope as reference_norm_rope
 
 
 def apply_freqs(q, k, q_weight, k_weight, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -24,14 +24,14 @@ def apply_freqs(q, k, q_weight, k_weight, freqs, tensor_format="sbhd", start_pos
     angles_in = freqs if cache is None else cache.as_freqs
     kernel = kernel_runs(q)
     call = check_freqs_call(q, k, q_weight, k_weight, angles_in, tensor_format, start_positions, interleaved,
-                            cu_seqlens, cp_size, cp_rank, eps, gemma, memo=kernel)
+                            cu_seqlens, cp_size, cp_rank, eps, gemma, checked_call if kernel else None)
     if not kernel:
         return _reference(q, k, q_weight, k_weight, angles_in, cache, call, tensor_format, start_positions,
                           interleaved, cu_seqlens, cp_size, cp_rank, eps, gemma)
     angles = angles_for(call, angles_in) if cache is None else table_angles(cache.cos, cache.sin, half=False)
     token_index, pos_table = token_index_for(call, cu_seqlens)
-    return _fused(q, k, q_weight.contiguous(), k_weight.contiguous(),
-                  (call, angles, start_positions, token_index, pos_table, 1 + gemma, eps))
+    return norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1 + gemma, eps=eps,
+                       start_positions=start_positions, token_index=token_index, pos_table=pos_table)
 
 
 def _reference(q, k, q_weight, k_weight, freqs, cache, layout, tensor_format, start_positions, interleaved,

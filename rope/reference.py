@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import check_positions, check_static
+from ._checks import check_positions, check_static
 
 
 def partner_and_sign(rot_dim: int, interleaved: bool, device=None):
@@ -69,8 +69,10 @@ def rows_at(table, pos):
 def rotate(t, cos, sin, interleaved):
     """t[..., :d2] rotated by per-channel cos/sin (broadcastable to it, d2 = their last size), the rest
     copied: channel i gets t_i cos_i + sigma(i) t_pi(i) sin_i. Arithmetic in float64 if t or the tables
-    are float64, else float32; rounded once to t.dtype. Every convention's reference ends here."""
+    are float64, else float32; rounded once to t.dtype. Every convention's reference ends here.
+    The gradient flows to t only: the angles get none, as on the kernel path (TransformerEngine's fused path)."""
     compute = torch.float64 if torch.float64 in (t.dtype, cos.dtype) else torch.float32
+    cos, sin = cos.detach(), sin.detach()
     d2 = cos.shape[-1]
     x = t[..., :d2].to(compute)
     partner, sign = partner_and_sign(d2, interleaved, t.device)
@@ -139,11 +141,18 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
                          fused=False, cu_seqlens=None, cp_size=1, cp_rank=0):
     """Reference implementation with the signature of `rope.apply_rotary_pos_emb` (`fused` is ignored);
     `freqs` may be a `rope.RoPECache`, whose cos/sin rows are then read instead of evaluated."""
+    return checked_apply(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, True)
+
+
+def checked_apply(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                  allow_float64: bool):
+    """`apply_rotary_pos_emb` with its arguments checked once, float64 `t` accepted only with `allow_float64` (the
+    kernel path's rule where the reference runs in its place)."""
     cache = freqs if hasattr(freqs, "as_freqs") else None
     if cache is not None:
         freqs = cache.as_freqs
     layout = check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
-                          cp_rank, allow_float64=True)
+                          cp_rank, allow_float64=allow_float64)
     check_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     pos = token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, t.device)
     compute = torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32
@@ -158,3 +167,33 @@ def token_tables(freqs, cache, pos, tensor_format, compute=torch.float32):
         return _per_token(rows_at(cache.cos, pos), rows_at(cache.sin, pos), tensor_format)
     f = rows_at(freqs[:, 0, 0, :].to(compute), pos)
     return _per_token(torch.cos(f), torch.sin(f), tensor_format)
+
+
+def norm_rope(x, weight, eps, gemma, cos, sin, interleaved):
+    """The PyTorch path (CPU, and traced by torch.compile): float32 RMSNorm over the head, the weight, then
+    `rotate` by per-channel cos/sin broadcast against x[..., :rot]; one rounding to x's dtype."""
+    xf = x.float()
+    n = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    w = weight.float() + 1.0 if gemma else weight.float()
+    return rotate(n * w, cos, sin, interleaved).to(x.dtype)
+
+
+def rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, interleaved, fp8=False, k_scale=None,
+                     v_scale=None) -> None:
+    """The definition of RoPE fused with the KV-cache write (`rope.serving`): q and k rotated in place at `positions`
+    of the half tables cos, sin, then the rotated k and v stored at each token's slot (a slot outside the caches:
+    not stored); fp8 caches hold x / scale in float32, saturated, rounded to nearest even, as vLLM converts."""
+    full = [rows_at(full_width(tab, interleaved), positions.long()).unsqueeze(-2) for tab in (cos, sin)]
+    for x in (q, k):
+        x.copy_(rotate(x, *full, interleaved).to(x.dtype))
+    n = slots.shape[0]
+    slot = slots.long()
+    keep = (slot >= 0) & (slot < key_cache.shape[0] * key_cache.shape[1])
+    tokens = torch.arange(n, device=slot.device)[keep]
+    slot = slot[keep]
+    block, offset = slot // key_cache.shape[1], slot % key_cache.shape[1]
+    for cache, x, scale in ((key_cache, k, k_scale), (value_cache, v, v_scale)):
+        x = x[tokens]
+        if fp8:
+            x = (x.float() / scale.float()).clamp(-448.0, 448.0)
+        cache[block, offset] = x.to(cache.dtype)

@@ -17,10 +17,8 @@ from typing import Optional
 
 import torch
 
-from . import _launch, reference
-from ._apply import kernel_runs
-from ._serving_checks import check_sglang, check_slots_in, check_vllm
-from ._validate import check_positions_in
+from ._backend import rotate_and_cache
+from ._checks import check_positions_in, check_sglang, check_slots_in, check_vllm
 
 
 def rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox,
@@ -36,7 +34,7 @@ def rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_ma
                                              cos_sin_cache, is_neox, kv_cache_dtype, k_scale, v_scale)
     check_positions_in(positions, rows)
     check_slots_in(slot_mapping, kc.shape[0] * kc.shape[1], -1, "slot_mapping")
-    _write(q, k, v, kc, vc, slot_mapping, positions, cos, sin, rows, is_neox, fp8, ks, vs)
+    rotate_and_cache(q, k, v, kc, vc, slot_mapping, positions, cos, sin, rows, not is_neox, fp8, ks, vs)
     return None
 
 
@@ -52,31 +50,8 @@ def apply_rope_inplace_with_kvcache(q, k, v, k_cache, v_cache, cos_sin_cache, po
                                                               out_loc, is_neox, rope_dim)
     check_positions_in(positions, rows)
     check_slots_in(out_loc, kc.shape[0], 0, "out_loc")
-    _write(qv, kv, vv, kc, vc, out_loc, positions, cos, sin, rows, is_neox, False, None, None)
+    rotate_and_cache(qv, kv, vv, kc, vc, out_loc, positions, cos, sin, rows, not is_neox)
     return None
-
-
-def _write(q, k, v, kc, vc, slots, positions, cos, sin, rows, is_neox, fp8, k_scale, v_scale):
-    if kernel_runs(q):
-        _launch.rotate_and_cache(q, k, v, kc, vc, slots, positions, cos, sin, rows, not is_neox, fp8, k_scale,
-                                 v_scale)
-        return
-    # The reference: rope, then the index write (the definition, in PyTorch, where the kernel does not run).
-    full = [reference.rows_at(reference.full_width(tab, not is_neox), positions.long()).unsqueeze(-2)
-            for tab in (cos, sin)]
-    for x in (q, k):
-        x.copy_(reference.rotate(x, *full, not is_neox).to(x.dtype))
-    n = slots.shape[0]
-    slot = slots.long()
-    keep = (slot >= 0) & (slot < kc.shape[0] * kc.shape[1])
-    tokens = torch.arange(n, device=slot.device)[keep]
-    slot = slot[keep]
-    block, offset = slot // kc.shape[1], slot % kc.shape[1]
-    for cache, x, scale in ((kc, k, k_scale), (vc, v, v_scale)):
-        x = x[tokens]
-        if fp8:  # vLLM's conversion: x / scale in float32, saturated, rounded to nearest even
-            x = (x.float() / scale.float()).clamp(-448.0, 448.0)
-        cache[block, offset] = x.to(cache.dtype)
 
 
 @torch.library.custom_op("rope::rope_and_cache", mutates_args=("query", "key", "key_cache", "value_cache"))

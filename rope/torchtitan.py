@@ -18,10 +18,16 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._apply import apply, kernel_runs
-from ._launch import Angles
-from ._validate import Call, Layout, call_for, check_positions_in, check_tables, check_token_positions
-from .meta import check_heads_pair, complex_tables
+from ._backend import Call, apply, call_for, kernel_runs
+from ._checks import (
+    Layout,
+    check_heads_pair,
+    check_positions_in,
+    check_tables,
+    check_token_positions,
+    complex_tables,
+)
+from ._launch import table_angles
 
 _NAMES = ("query", "key")
 
@@ -100,7 +106,7 @@ def _rotate(query, key, cos, sin, positions, interleaved: bool, table: str):
         full = [reference.full_width(tab, True) if interleaved else tab for tab in (cos, sin)]
         c, s = (reference.rows_at(tab, pos).unsqueeze(-2) for tab in full)
         return tuple(reference.rotate(x, c, s, interleaved) for x in (query, key))
-    angles = Angles(cos, sin, rows, cos.stride(0), 0, cos.stride(1), True, interleaved)
+    angles = table_angles(cos, sin, half=interleaved)
     if positions is None:  # tokens as [s = T, b = 1]: token t reads row t
         key_ = ("torchtitan", query.shape, query.stride(), query.dtype, query.device, key.shape[1], rows, interleaved)
         call = call_for(key_, lambda: Call(Layout(t_len, 1, n, h, h, rows, 0), "sbhd", interleaved, None, None, 1, 0))
@@ -109,4 +115,4 @@ def _rotate(query, key, cos, sin, positions, interleaved: bool, table: str):
     key_ = ("torchtitan-pos", query.shape, query.stride(), query.dtype, query.device, key.shape[1], rows, interleaved,
             positions.dtype)
     call = call_for(key_, lambda: Call(Layout(t_len, 1, n, h, h, rows, 0), "thd", interleaved, None, None, 1, 0))
-    return apply((query, key), call, angles, None, positions, True)
+    return apply((query, key), call, angles, token_index=positions, pos_table=True)

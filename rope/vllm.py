@@ -12,38 +12,19 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._apply import apply, kernel_runs
-from ._launch import Angles
-from ._validate import (
-    Call,
+from ._backend import Call, apply, call_for, kernel_runs
+from ._checks import (
     Layout,
-    call_for,
+    check_cos_sin_cache,
     check_disjoint,
-    check_float_tensor,
     check_inplace,
     check_mrope_section,
     check_positions_in,
-    check_rotary_width,
     check_stream_positions,
-    check_tables,
     check_token_positions,
+    heads_view,
 )
-
-
-def _heads(name, x, positions, head_size):
-    """x as [num_tokens, heads, head_size] (a view); its leading dims are positions'."""
-    check_float_tensor(name, x)
-    lead = positions.dim()
-    rest = x.shape[lead:]
-    if x.shape[:lead] != positions.shape or len(rest) not in (1, 2) or rest[-1] % head_size or \
-            (len(rest) == 2 and rest[-1] != head_size):
-        raise ValueError(f"{name}: expected [{', '.join(map(str, positions.shape))}, heads * {head_size}] or "
-                         f"[..., heads, {head_size}] (leading dims as positions'), got {tuple(x.shape)}")
-    try:
-        return x.view(positions.numel(), rest[0] if len(rest) == 2 else rest[0] // head_size, head_size)
-    except RuntimeError:
-        raise ValueError(f"{name}: cannot be viewed as [num_tokens, heads, head_size] (strides "
-                         f"{tuple(x.stride())}); pass a tensor whose heads are evenly strided") from None
+from ._launch import table_angles
 
 
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
@@ -91,15 +72,9 @@ def _checked(positions, query, key, head_size, cos_sin_cache, is_neox):
         raise ValueError(f"head_size: expected an int >= 2, got {head_size!r}")
     if not isinstance(is_neox, bool):
         raise TypeError(f"is_neox: expected a bool, got {type(is_neox).__name__}")
-    q = _heads("query", query, positions, head_size)
-    k = None if key is None else _heads("key", key, positions, head_size)
-    if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dim() != 2:
-        raise ValueError(f"cos_sin_cache: expected shape [max_position, rotary_dim], got "
-                         f"{getattr(cos_sin_cache, 'shape', type(cos_sin_cache).__name__)}")
-    rows, rot = cos_sin_cache.shape
-    check_rotary_width(rot, head_size, "cos_sin_cache")
-    cos, sin = cos_sin_cache[:, :rot // 2], cos_sin_cache[:, rot // 2:]
-    check_tables(cos, sin, q, "query", ("cos_sin_cache", "cos_sin_cache"))
+    q = heads_view("query", query, positions, head_size)
+    k = None if key is None else heads_view("key", key, positions, head_size)
+    cos, sin, rows = check_cos_sin_cache(cos_sin_cache, head_size, q, "query")
     if k is not None and (k.dtype != q.dtype or k.device != q.device):
         raise ValueError(f"key: expected the dtype and device of query ({q.dtype}, {q.device}), got "
                          f"{k.dtype}, {k.device}")
@@ -130,5 +105,6 @@ def _rotate(q, k, cos, sin, cos_sin_cache, positions, is_neox, streams):
     key_ = ("vllm", q.shape, q.stride(), q.dtype, q.device, rot, rows, interleaved, positions.dtype)
     call = call_for(key_, lambda: Call(Layout(q.shape[0], 1, q.shape[1], q.shape[2], rot, rows, 0), "thd",
                                        interleaved, None, None, 1, 0))
-    angles = Angles(cos, sin, rows, cos_sin_cache.stride(0), 0, cos_sin_cache.stride(1), True, True, 0, streams)
-    apply(ts, call, angles, None, positions[..., None] if streams[0] else positions, True, True)
+    angles = table_angles(cos, sin, half=True, streams=streams)
+    apply(ts, call, angles, token_index=positions[..., None] if streams[0] else positions, pos_table=True,
+          inplace=True)

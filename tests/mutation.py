@@ -93,14 +93,19 @@ SELECTION = {
                               "test_positions_follow_the_spec_for_every_chunk_length")
                       + " " + nodes("test_core.py", "test_value_checks_off_tokens_past_the_last_sequence"),
     "rope/embedding.py": "tests/rope/test_core.py tests/rope/test_entry_points.py -k 'embedding or Embedding'",
-    "rope/_validate.py": f"tests/rope/test_bad_input.py {QK} {API} {CONVENTIONS} {PROPS} "
-                         + nodes("test_qk_inplace.py", "test_same_stride_overlap_decision_is_exact")
-                         + " " + nodes("test_core.py", "test_empty"),
+    "rope/_checks.py": f"tests/rope/test_bad_input.py {QK} {API} {CONVENTIONS} {PROPS} tests/rope/test_qknorm.py "
+                       "tests/rope/test_serving.py "
+                       + nodes("test_qk_inplace.py", "test_same_stride_overlap_decision_is_exact")
+                       + " " + nodes("test_core.py", "test_empty"),
     "rope/functional.py": f"{API} {QK} {CONVENTIONS} {PROPS}",
-    "rope/_apply.py": f"{API} {QK} {PROPS} "
-                      + nodes("test_entry_points.py", "test_conventions_launch_the_kernel_only_where_it_runs")
-                      + " " + nodes("test_native.py", "test_forward[hf]", folder="tests/conformance")
-                      + " " + nodes("test_compile.py", "test_conventions_trace_as_the_reference"),
+    "rope/_backend.py": f"{API} {QK} {PROPS} "
+                        + nodes("test_entry_points.py", "test_conventions_launch_the_kernel_only_where_it_runs")
+                        + " " + nodes("test_native.py", "test_forward[hf]", folder="tests/conformance")
+                        + " " + nodes("test_compile.py", "test_conventions_trace_as_the_reference", "test_opcheck",
+                                      "test_compiled_errors_on_bad_input",
+                                      "test_fullgraph_matches_eager_and_never_recompiles[interleaved-sbhd]",
+                                      "test_fullgraph_matches_eager_and_never_recompiles[halfsplit-thd]"),
+    "rope/_request.py": f"{API} {QK} {PROPS}",
     "rope/_launch.py": f"{PROPS} {KERNEL} {API} {QK}",
     "rope/kernels/_common.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/rope/test_mrope.py "
                                "tests/rope/test_qknorm.py tests/rope/test_serving.py",
@@ -109,22 +114,16 @@ SELECTION = {
                               "-k qknorm",
     "rope/kernels/cache_write.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_serving.py tests/conformance/test_native.py "
                                    "-k cache",
-    "rope/_ops.py": nodes("test_compile.py", "test_opcheck", "test_compiled_errors_on_bad_input",
-                          "test_fullgraph_matches_eager_and_never_recompiles[interleaved-sbhd]",
-                          "test_fullgraph_matches_eager_and_never_recompiles[halfsplit-thd]"),
     "rope/cache.py": f"{CONVENTIONS} -k 'cache or Cache'",
-    "rope/hf.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/rope/test_mrope.py -k hf",
+    "rope/hf.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/rope/test_mrope.py tests/rope/test_hf_forms.py -k hf",
     "rope/flash.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} -k flash",
     "rope/vllm.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/rope/test_mrope.py -k vllm",
     "rope/mrope.py": f"ROPE_MAX_EXAMPLES=20 {CONVENTIONS} tests/rope/test_mrope.py -k 'mrope or entry'",
-    "rope/_hf_path.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_hf_forms.py tests/conformance/test_native.py -k hf",
     "rope/meta.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_meta_bad_input.py tests/conformance/test_native.py -k meta",
     "rope/torchtitan.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_meta_bad_input.py tests/conformance/test_native.py "
                           "-k torchtitan",
     "rope/qknorm.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_qknorm.py tests/conformance/test_native.py -k qknorm",
-    "rope/_qknorm_checks.py": "tests/rope/test_qknorm.py",
     "rope/serving.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_serving.py tests/conformance/test_native.py -k cache",
-    "rope/_serving_checks.py": "tests/rope/test_serving.py",
     "rope/_memo.py": "tests/rope/test_memo.py tests/rope/test_angle_table.py",
     "rope/_cuda.py": "tests/rope/test_angle_table.py tests/rope/test_memo.py",
 }

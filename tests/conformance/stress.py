@@ -12,13 +12,15 @@ before and after (growth: what the caches kept). `--seconds`: no call starts aft
 under a time limit still reports (the calls not run are counted as such). `--processes`: P processes share the
 device, each drawing and checking calls/P of its own (seeds seed, seed + 1, ...; the checks run on the host, under
 one interpreter lock per process), and the report sums them (memory: the largest growth of any one). Exit status 1
-if any call was wrong or raised.
+if any call was wrong or raised. Under Triton's interpreter (TRITON_INTERPRET=1), which is not thread-safe, more than
+one thread is refused for an implementation that launches Triton kernels.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import gc
+import inspect
 import json
 import os
 import queue
@@ -63,6 +65,36 @@ def draw_jobs(native, calls: int, seed: int, distinct: int = 64) -> list:
     return jobs
 
 
+def interpreted_packages(native) -> list:
+    """The packages of the implementation's functions that hold Triton kernels, when Triton's interpreter runs them
+    (TRITON_INTERPRET=1): it keeps per-launch state in globals, so two threads launching at once read each other's
+    values (wrong results, then a crash). Empty when kernels compile, or the implementation has none."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return []
+    from triton.runtime.jit import KernelInterface
+
+    found = []
+    for fn in native.fns.values():
+        fn = inspect.unwrap(getattr(fn, "func", fn))
+        module = getattr(fn, "__module__", None) or ""
+        package = module.rpartition(".")[0] or module
+        for name, mod in list(sys.modules.items()):
+            if (name == package or name.startswith(package + ".")) and package not in found and any(
+                    isinstance(obj, KernelInterface) and getattr(getattr(obj, "fn", None), "__module__", "") == name
+                    for obj in list(vars(mod).values())):
+                found.append(package)
+    return found
+
+
+def refuse_interpreted_threads(native, threads: int) -> None:
+    """Exit with a message, before any call runs, where threads would launch kernels in Triton's interpreter."""
+    interpreted = interpreted_packages(native)
+    if threads > 1 and interpreted:
+        raise SystemExit(f"--threads {threads}: Triton's interpreter (TRITON_INTERPRET=1) is not thread-safe, and "
+                         f"{', '.join(interpreted)} launches Triton kernels: concurrent launches would give wrong "
+                         f"results, then crash. Run with --threads 1 (or --processes P), or on a GPU.")
+
+
 def memory() -> int:
     if not torch.cuda.is_available():
         return 0
@@ -76,6 +108,7 @@ def stress(impl: str, calls: int, threads: int, seed: int = 0, seconds: float = 
     native = registry.resolve(impl)
     if not native.fns:
         raise SystemExit(f"--impl {impl}: no native convention")
+    refuse_interpreted_threads(native, threads)
     jobs = draw_jobs(native, calls, seed, distinct)
     work: queue.Queue = queue.Queue()
     for job in jobs:
@@ -175,6 +208,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.processes > 1:
+        refuse_interpreted_threads(registry.resolve(args.impl), args.threads)
         report = in_processes(args)
     else:
         report = stress(args.impl, args.calls, args.threads, args.seed, args.seconds, args.distinct)

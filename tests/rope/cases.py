@@ -11,9 +11,8 @@ import torch
 from hypothesis import strategies as st
 
 import rope
-import rope._apply
+import rope._backend
 import rope._launch
-import rope._validate
 from tests.conformance import te_oracle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,7 +26,7 @@ def reference_path(on: bool):
     if not on or DEVICE != "cpu":
         yield
         return
-    with mock.patch.object(rope._apply, "INTERPRET", False):
+    with mock.patch.object(rope._backend, "INTERPRET", False):
         yield
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 
@@ -113,7 +112,7 @@ def gpu_decomposition(monkeypatch):
     monkeypatch.setattr(rope._launch, "_INTERPRETER_TILE_ROWS", 0)
     monkeypatch.setattr(rope._launch, "_TABLE_ROWS_SMALL", rope._launch._TABLE_ROWS)
     # no plan made with the interpreter's tiles
-    monkeypatch.setattr(rope._validate, "_CALLS", rope._memo.Memo("plans of this test", 4096))
+    monkeypatch.setattr(rope._backend, "_CALLS", rope._memo.Memo("plans of this test", 4096))
 
 
 @pytest.fixture(params=["table", "evaluated"])

@@ -3,7 +3,7 @@
 A model using rope compiles with fullgraph=True (no graph breaks), matches eager bitwise forward
 and backward, recompiles nothing when only s or b change, and the op passes torch.library.opcheck
 (schema, fake implementation, AOT dispatch). The op has no autograd of its own: traced code records it in
-`rope._apply.Rotation`, the node of every rotation, whose backward the compiled-against-eager tests check.
+`rope._backend.Rotation`, the node of every rotation, whose backward the compiled-against-eager tests check.
 """
 from __future__ import annotations
 

@@ -293,7 +293,7 @@ def test_value_checks_off_tokens_past_the_last_sequence(start, many):
 
 def test_value_checks_run_once_per_unmodified_index_tensor(monkeypatch):
     """The device-to-host check runs again exactly when the values may have changed."""
-    import rope._validate as validate
+    import rope._checks as validate
 
     calls = []
     real = validate._check_position_values
@@ -359,7 +359,7 @@ def test_per_token_positions_checked_once_per_unmodified_tensor(monkeypatch, sha
 def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inner, poison_outputs,  # noqa: F811
                                         gpu_decomposition):  # noqa: F811
     from rope import _launch, _table
-    from rope._validate import check_static
+    from rope._checks import check_static
 
     gen = torch.Generator().manual_seed(b * h)
     s, d = 3, 8
@@ -396,7 +396,7 @@ def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inne
 ])
 def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomposition):  # noqa: F811
     from rope import _launch, _table
-    from rope._validate import check_static
+    from rope._checks import check_static
 
     gen = torch.Generator().manual_seed(h)
     lengths = [2, 0, 3] + [0] * (_launch._SEARCH_FANOUT if many else 0)
@@ -431,12 +431,12 @@ def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomp
 def test_thd_many_sequences(fanout, cp, start, angle_source, monkeypatch, poison_outputs):  # noqa: F811
     # angle_source: with tables on, calls without start_positions read each token's position from
     # its table (tests/rope/test_position_table.py); with them off every call searches cu_seqlens.
-    from rope import _launch, _memo, _validate
+    from rope import _backend, _launch, _memo
 
     if fanout is not None:
         monkeypatch.setattr(_launch, "_SEARCH_FANOUT", fanout)
         # plans made with the launcher's fanout
-        monkeypatch.setattr(_validate, "_CALLS", _memo.Memo("plans of this test", 4096))
+        monkeypatch.setattr(_backend, "_CALLS", _memo.Memo("plans of this test", 4096))
     n_seqs = 3 * _launch._SEARCH_FANOUT + 5
     gen = torch.Generator().manual_seed(n_seqs + (cp or (1, 0))[0])
     t, freqs, g, kw = many_sequences_case(n_seqs, cp, start, torch.float32, gen)

@@ -178,7 +178,7 @@ def test_conventions_launch_the_kernel_only_where_it_runs(convention, monkeypatc
     call()
     assert len(launches) == 1
     if DEVICE == "cpu":
-        monkeypatch.setattr(rope._apply, "INTERPRET", False)
+        monkeypatch.setattr(rope._backend, "INTERPRET", False)
         launches.clear()
         call()
         assert launches == []

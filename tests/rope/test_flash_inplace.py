@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rope
-import rope._apply
+import rope._backend
 
 from .cases import DEVICE, angles_table, oracle, oracle_grad, per_pair, poison_outputs, randn, reference_path  # noqa: F401
 from .numerics import assert_within_rounding

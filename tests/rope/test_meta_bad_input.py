@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
-import rope._apply
+import rope._backend
 import rope._launch
 import rope.meta
 import rope.torchtitan
@@ -188,7 +188,7 @@ def test_prepared_cache_forms(conv):
 @pytest.mark.parametrize("conv", list(ENTRY))
 @pytest.mark.parametrize("reference", [True, False])
 def test_one_switch_decides(conv, reference):
-    """rope._apply.on_kernel_device decides for these entry points too: the reference path launches nothing, the
+    """rope._backend.on_kernel_device decides for these entry points too: the reference path launches nothing, the
     kernel path launches."""
     args = meta_args(_gen(9)) if conv == "meta" else titan_args(_gen(9), conv == "cossin")
     with reference_path(reference), mock.patch.object(rope._launch, "run", wraps=rope._launch.run) as launches:

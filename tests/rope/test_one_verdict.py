@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rope
-import rope._apply
+import rope._backend
 import rope._launch
 import rope.functional
 
@@ -310,10 +310,91 @@ def test_one_verdict_examples(name, change, checks):
 @pytest.mark.parametrize("name", list(ENTRIES))
 @pytest.mark.parametrize("on_reference", [True, False])
 def test_one_switch_decides_every_entry_point(name, on_reference):
-    """One rule (rope._apply.on_kernel_device) decides kernel or reference for every entry point: with it saying
+    """One rule (rope._backend.on_kernel_device) decides kernel or reference for every entry point: with it saying
     reference, no entry point launches; with it saying kernel, each one does."""
     built = build(name, "none", 3, None, True)
     with reference_path(on_reference), mock.patch.object(rope._launch, "run", wraps=rope._launch.run) as launches:
         ENTRIES[name].fn(**built.kwargs)
     assert bool(launches.call_count) is not on_reference, \
         f"{name}: {launches.call_count} launches with the reference path {'on' if on_reference else 'off'}"
+
+
+ANGLE_ARGUMENTS = ("freqs", "cos", "sin", "cos_sin_cache")
+
+
+@pytest.mark.parametrize("name", list(ENTRIES))
+@pytest.mark.parametrize("on_reference", [True, False])
+def test_angles_that_require_grad_get_no_gradient_on_every_path(name, on_reference):
+    """Angles (freqs, cos/sin tables) that require grad: every entry point gives a result on both paths, and the
+    gradient flows to the rotated tensors only, as in TransformerEngine's fused path (docs/contract.md, section 1):
+    neither a refusal from inside PyTorch nor a gradient to the angles on one path only."""
+    entry = ENTRIES[name]
+    for rotated_require_grad in (False, True) if entry.inplace != "always" else (False,):
+        kwargs = dict(build(name, "none", 3, None, True).kwargs)
+        angles = [kwargs[n].requires_grad_() for n in ANGLE_ARGUMENTS if n in kwargs]
+        assert angles, name
+        rotated = [kwargs[n].requires_grad_(rotated_require_grad) for n in entry.tensors]
+        with reference_path(on_reference):
+            out = entry.fn(**kwargs)
+        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+        if not rotated_require_grad:
+            assert not any(o.requires_grad for o in outs), f"{name}: a result records the angles' history"
+            continue
+        sum(o.float().sum() for o in outs).backward()
+        assert all(x.grad is not None for x in rotated), name
+        assert all(a.grad is None for a in angles), f"{name}: the angles got a gradient"
+
+
+@pytest.mark.parametrize("setter", [rope.set_value_checks, rope.set_angle_table], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("value", ["no", 1, 0, None])
+def test_switches_take_only_bools(setter, value):
+    """A switch refuses a string or a number (read as true or false, "no" would turn it on), naming its argument,
+    and keeps its state."""
+    with pytest.raises(TypeError, match="^enabled: expected a bool"):
+        setter(value)
+    assert rope._checks._VALUE_CHECKS[0] is True and rope._table._ENABLED[0] is True
+
+
+@pytest.mark.parametrize("argument,value,error", [
+    ("rotary_base", 0.0, ValueError), ("rotary_base", -10000.0, ValueError), ("rotary_base", float("inf"), ValueError),
+    ("rotary_base", float("nan"), ValueError), ("rotary_base", "10000", TypeError),
+    ("rotary_percent", 0.0, ValueError), ("rotary_percent", float("nan"), ValueError),
+    ("seq_len_interpolation_factor", 0.0, ValueError), ("pretrained_max_position_embeddings", 0, ValueError),
+    ("dim", 64.0, TypeError),
+])
+def test_embedding_refuses_arguments_that_give_no_angles(argument, value, error):
+    """RotaryPositionEmbedding's numbers would give NaN or inf angles (a base of 0: inf at every position past 0):
+    refused when the module is built, naming the argument."""
+    kwargs = dict(dim=64, pretrained_max_position_embeddings=None)
+    kwargs[argument] = value
+    with pytest.raises(error, match=f"^{argument}: "):
+        rope.RotaryPositionEmbedding(**kwargs)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter runs on the CPU only")
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_stress_refuses_threads_in_the_interpreter(processes, capsys):
+    """Triton's interpreter is not thread-safe: the stress run refuses threads over rope's kernels there, before any
+    call runs, saying why, rather than reporting wrong results (and then crashing)."""
+    from .conformance import stress
+
+    with mock.patch.object(stress, "draw_jobs", side_effect=AssertionError("calls drawn")):
+        with pytest.raises(SystemExit) as refused:
+            stress.main(["--impl", "rope", "--threads", "2", "--calls", "2", "--processes", processes])
+    assert "not thread-safe" in str(refused.value.code), refused.value.code
+
+
+@pytest.mark.parametrize("name", [n for n, e in ENTRIES.items() if e.positions is not None])
+def test_positions_of_another_dtype_take_a_plan_of_their_own(name):
+    """A kernel compiled for int32 positions reads int64 ones as pairs of int32: the same call with the other integer
+    dtype of its positions (or start offsets) launches with a plan of its own, never the first one's."""
+    entry = ENTRIES[name]
+    plans = {}
+    for dtype in (torch.int32, torch.int64):
+        kwargs = dict(build(name, "none", 3, None, True).kwargs)
+        kwargs[entry.positions] = kwargs[entry.positions].to(dtype)
+        with mock.patch.object(rope._launch, "run", wraps=rope._launch.run) as launches:
+            entry.fn(**kwargs)
+        plans[dtype] = {id(c.args[0]) for c in launches.call_args_list}
+        assert plans[dtype], f"{name}: no launch"
+    assert not plans[torch.int32] & plans[torch.int64], f"{name}: int64 positions launched with int32's plan"

@@ -9,7 +9,7 @@ import torch
 
 import rope
 import rope._table as table_mod
-from rope import _launch, _memo, _validate, reference
+from rope import _backend, _launch, _memo, reference
 
 from .cases import (  # noqa: F401
     angle_source,
@@ -85,7 +85,7 @@ def test_position_table_is_reused_and_never_stale(position_builds):
 
 
 def _plans_read_positions():
-    return {bool(p.arg("POS_TABLE")) for call in _validate._CALLS.values() for p in call.plans.values()}
+    return {bool(p.arg("POS_TABLE")) for call in _backend._CALLS.values() for p in call.plans.values()}
 
 
 # The kernel's two ways of placing a packed token: the position table (table run, no
@@ -94,7 +94,7 @@ def _plans_read_positions():
 # cu_seqlens the next call must see the new sequences.
 @pytest.mark.parametrize("cp,start", [(None, False), ((2, 1), False), ((3, 0), False), (None, True)], ids=str)
 def test_thd_positions_from_the_table(cp, start, angle_source, monkeypatch, poison_outputs):  # noqa: F811
-    monkeypatch.setattr(_validate, "_CALLS", _memo.Memo("plans of this test", 4096))
+    monkeypatch.setattr(_backend, "_CALLS", _memo.Memo("plans of this test", 4096))
     gen = torch.Generator().manual_seed(11 + (cp or (1, 0))[0] + start)
     n_seqs = _launch._SEARCH_FANOUT + 3
     t, freqs, g, kw = many_sequences_case(n_seqs, cp, start, torch.bfloat16, gen)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rope
-import rope._apply
+import rope._backend
 import rope._launch
 import rope.functional
 from rope import reference
@@ -207,7 +207,7 @@ def test_inplace_qk_disjoint_views_of_one_buffer_and_aliasing():
 @pytest.mark.parametrize("seed", range(40))
 def test_same_stride_overlap_decision_is_exact(seed):
     """The in-place q/k disjointness search agrees with listing both views' elements."""
-    from rope._validate import _same_stride_views_overlap
+    from rope._checks import _same_stride_views_overlap
 
     rng = random.Random(seed)
     ndim = rng.randint(1, 4)

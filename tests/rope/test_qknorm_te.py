@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rope
-import rope._apply
+import rope._backend
 from rope import qknorm
 from tests.conformance import accuracy, te_oracle
 from tests.conformance.spec import qknorm_math

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import rope._apply
+import rope._backend
 import rope.functional
 
 from .cases import DEVICE
@@ -33,5 +33,5 @@ def test_the_examples_are_found():
 @pytest.mark.parametrize("code", EXAMPLES, ids=[f"example{i}" for i in range(len(EXAMPLES))])
 def test_readme_example_runs(code, monkeypatch, capsys):
     if DEVICE == "cpu":  # as without TRITON_INTERPRET=1
-        monkeypatch.setattr(rope._apply, "INTERPRET", False)
+        monkeypatch.setattr(rope._backend, "INTERPRET", False)
     exec(compile(code, str(README), "exec"), {"__name__": "readme_example"})  # noqa: S102 - README's own code

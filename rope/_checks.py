@@ -1,12 +1,16 @@
-"""Argument checks shared by the Triton path and the reference (docs/contract.md sections 2, 3 and 5).
+"""The one vocabulary of argument checks, shared by every convention and by both paths (docs/contract.md sections
+2, 3 and 5): each check raises ValueError or TypeError whose message starts with the argument's name, before
+anything is written or launched.
 
 `check_static` checks what depends only on shapes, dtypes, devices and plain Python values, once per call
-signature (`checked_call`). `check_positions` checks the *values* of `cu_seqlens` and `start_positions`:
-one device-to-host copy per new or modified index tensor, skipped during CUDA-graph capture and tracing,
-where the kernel's range guard (NaN, never an out-of-range read of `freqs`) is what remains.
+signature (the back end's call memo, `rope._backend.checked_call`). `check_positions` checks the *values* of
+`cu_seqlens` and `start_positions`: one device-to-host copy per new or modified index tensor, skipped during
+CUDA-graph capture and tracing, where the kernel's range guard (NaN, never an out-of-range read of `freqs`) is what
+remains.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import NamedTuple
 
@@ -93,7 +97,7 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
     if tensor_format == "thd":
         if cu_seqlens is None:
             raise ValueError("cu_seqlens: required when tensor_format is 'thd'")
-        _check_index_tensor("cu_seqlens", cu_seqlens, t)
+        check_index_tensor("cu_seqlens", cu_seqlens, t)
         if cu_seqlens.shape[0] < 1:
             raise ValueError("cu_seqlens: expected shape [n + 1] with n >= 0, got an empty tensor")
         s, b, h = t.shape[0], 1, t.shape[1]
@@ -111,7 +115,7 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
                              f"but {freqs_name} has s2 = {s2} rows")
 
     if start_positions is not None:
-        _check_index_tensor("start_positions", start_positions, t)
+        check_index_tensor("start_positions", start_positions, t)
         if start_positions.shape[0] != n_pos:
             what = "the number of sequences" if tensor_format == "thd" else "the batch size"
             raise ValueError(f"start_positions: expected shape [{n_pos}] ({what}), "
@@ -122,7 +126,7 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
 def check_inplace(name: str, x: torch.Tensor, leaf_written: bool = False) -> None:
     """In-place rotation needs every element stored once, and autograd must be able to record it: checked
     here, before the kernel writes, since autograd itself refuses only after a Function's forward ran.
-    `leaf_written`: the convention writes a leaf that requires grad as flash-attention does (`_apply.write_leaf`:
+    `leaf_written`: the convention writes a leaf that requires grad as flash-attention does (`rope._backend.write_leaf`:
     the leaf keeps no history to rebase, the rotation's node goes on a new tensor over its memory); views of such a
     leaf stay refused, as autograd refuses to write them in place."""
     # Traced, the call runs PyTorch's own in-place operations, which functionalization checks (the overlap query has
@@ -235,7 +239,7 @@ def check_pair(q, k, tensor_format: str) -> None:
                          f"got shape {tuple(k.shape)}")
 
 
-def _check_index_tensor(name, x, t, t_name="t"):
+def check_index_tensor(name, x, t, t_name="t"):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INT_DTYPES:
@@ -264,7 +268,8 @@ def set_value_checks(enabled: bool) -> None:
     for inference tensors (no version counter). With them off, a position outside `freqs` is still never
     read: the kernel writes NaN into that token's rotated channels instead.
     """
-    _VALUE_CHECKS[0] = bool(enabled)
+    check_bools(enabled=enabled)
+    _VALUE_CHECKS[0] = enabled
 
 
 def skip_value_checks(index: torch.Tensor) -> bool:
@@ -356,79 +361,6 @@ def _check_position_values(layout: Layout, tensor_format, start_positions, cu_se
                              f"{top}, but {table_name} has {s2} rows")
 
 
-class Call:
-    """A checked call signature: its layout and flags, and the launch plans made for it
-    (`rope._launch`), so that a repeated signature costs one dict lookup."""
-
-    __slots__ = ("layout", "tensor_format", "interleaved", "has_start", "cp_size", "cp_rank", "checks_values",
-                 "empty", "plans", "others")
-
-    def __init__(self, layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank):
-        self.layout, self.tensor_format, self.interleaved = layout, tensor_format, interleaved
-        self.has_start, self.cp_size, self.cp_rank = start_positions is not None, cp_size, cp_rank
-        self.checks_values = start_positions is not None or cu_seqlens is not None
-        self.empty = layout.s * layout.b * layout.h * layout.d == 0
-        self.plans = {}
-        self.others = None
-
-    def for_tensor(self, x: torch.Tensor) -> Call:
-        """This call for another tensor of its tokens and head dim (k beside q), rotated on its own: x's heads
-        in the layout, and plans of its own (a call's key fixes the strides of its tensor, so the plans of
-        single launches need not hold them)."""
-        if self.others is None:
-            self.others = {}
-        key = (x.shape, x.stride())
-        call = self.others.get(key)
-        if call is None:
-            call = Call.__new__(Call)
-            for name in Call.__slots__:
-                setattr(call, name, getattr(self, name))
-            call.layout = self.layout._replace(h=x.shape[-2])
-            call.empty = x.numel() == 0
-            call.plans, call.others = {}, None
-            if len(self.others) >= _OTHERS_MAX:
-                self.others.clear()
-            self.others[key] = call
-        return call
-
-
-_OTHERS_MAX = 16
-
-
-# packed batches change the token count every step: keep the memo bounded
-_CALLS = _memo.memo("checked signatures and their launch plans", 4096)
-
-
-def _index_key(x):
-    return None if x is None else (x.shape, x.dtype, x.device, x.data_ptr() % 16)
-
-
-def checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                 name="t", freqs_name="freqs") -> Call:
-    """The call for this signature: checked (`check_static`) on first sight, then found in a dict."""
-    try:
-        key = (t.shape, t.stride(), t.dtype, t.device, freqs.shape, freqs.dtype, freqs.device, tensor_format,
-               interleaved.__class__, interleaved, _index_key(start_positions), _index_key(cu_seqlens),
-               cp_size.__class__, cp_size, cp_rank.__class__, cp_rank)
-        call = _CALLS.get(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
-        key, call = None, None
-    if call is None:
-        layout = check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                              allow_float64=False, name=name, freqs_name=freqs_name)
-        call = Call(layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank)
-        if key is not None:
-            _CALLS.put(key, call)
-    return call
-
-
-def call_for(key, make) -> Call:
-    """The memoised `Call` of another convention's signature `key`; `make()` checks and builds it."""
-    call = _CALLS.get(key)
-    if call is None:
-        call = _CALLS.put(key, make())
-    return call
-
 
 def check_tables(cos, sin, x, x_name: str, names=("cos", "sin")) -> None:
     """cos and sin tables of one shape, dtype (float32, float16 or bfloat16) and strides, on x's device."""
@@ -451,7 +383,7 @@ def check_rotary_width(width: int, d: int, what: str) -> None:
 
 def check_token_positions(positions, n_tokens: int, x, x_name: str, name: str = "positions") -> None:
     """One int32/int64 position per token, on x's device."""
-    _check_index_tensor(name, positions, x, x_name)
+    check_index_tensor(name, positions, x, x_name)
     if positions.shape[0] != n_tokens:
         raise ValueError(f"{name}: expected {n_tokens} positions (one per token of {x_name}), "
                          f"got {positions.shape[0]}")
@@ -510,3 +442,365 @@ def check_stream_positions(positions, lead: tuple, x, x_name: str, name: str = "
                          f"for all three), the leading dims of {x_name}; got {tuple(positions.shape)}")
     if positions.device != x.device:
         raise ValueError(f"{name}: expected the device of {x_name} ({x.device}), got {positions.device}")
+
+
+def check_cos_sin_cache(cache, d: int, x, x_name: str, rope_dim=None) -> tuple:
+    """vLLM's cos_sin_cache [max_position, rot] (row p: the rot/2 cosines of position p, then their sines; rot even,
+    rot <= the head dim d; SGLang's `rope_dim`: 0 or rot) -> (its cos half, its sin half, max_position)."""
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 2:
+        raise ValueError(f"cos_sin_cache: expected shape [max_position, rotary_dim], got "
+                         f"{getattr(cache, 'shape', type(cache).__name__)}")
+    rows, rot = cache.shape
+    if rope_dim is not None and (isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or
+                                 rope_dim not in (0, rot)):
+        raise ValueError(f"rope_dim: expected 0 or cos_sin_cache's width {rot} (the rotary width), got {rope_dim!r}")
+    check_rotary_width(rot, d, "cos_sin_cache")
+    cos, sin = cache[:, :rot // 2], cache[:, rot // 2:]
+    check_tables(cos, sin, x, x_name, ("cos_sin_cache", "cos_sin_cache"))
+    return cos, sin, rows
+
+
+_SHAPES = {1: "[b, h, s, d]", 2: "[b, s, h, d]"}
+
+
+# The layouts of the conventions' rotated tensors
+
+def heads_views(named, unsqueeze_dim) -> tuple:
+    """transformers' rotated tensors ((name, tensor), ...: q and k, or x), [b, h, s, d] (unsqueeze_dim 1) or
+    [b, s, h, d] (2), as [b, s, h, d] views (the kernel's bshd roles), checked."""
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or unsqueeze_dim not in _SHAPES:
+        raise ValueError(f"unsqueeze_dim: expected 1 (q, k as {_SHAPES[1]}) or 2 ({_SHAPES[2]}), got {unsqueeze_dim!r}")
+    for name, x in named:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor {_SHAPES[unsqueeze_dim]}, got shape {tuple(x.shape)}")
+    views = tuple(x.transpose(1, 2) if unsqueeze_dim == 1 else x for _, x in named)
+    if len(views) == 2:
+        check_pair(*views, "bshd")
+    return views
+
+
+def check_rotary_tables(cos, sin, views, x_name: str, stream_dims: int) -> None:
+    """transformers' cos, sin [b or 1, s, r] (with stream_dims = 1: [3, b or 1, s, r], one table per stream) for the
+    views' b and s, r even with 2 <= r <= d. A rank-2 [s, r] table (Liger's extension) is refused: transformers'
+    expression would broadcast it over the heads, not the positions."""
+    check_tables(cos, sin, views[0], x_name)
+    b, s, _, d = views[0].shape
+    streams = "3, " if stream_dims else ""
+    if cos.dim() != 3 + stream_dims or (stream_dims and cos.shape[0] != 3) or cos.shape[-2] != s or \
+            cos.shape[-3] not in (1, b):
+        hint = " (a table [s, r] for every sequence is cos[None])" if cos.dim() == 2 and not stream_dims else ""
+        what = " (one table per stream)" if stream_dims else ""
+        raise ValueError(f"cos: expected shape [{streams}b, s, r]{what} with b = {b} or 1, s = {s} and the rotary "
+                         f"width r <= d = {d}, got {tuple(cos.shape)}{hint}")
+    check_rotary_width(cos.shape[-1], d, "cos")
+
+
+def check_heads_pair(q, k, names: tuple, ndim: int, shape: str) -> None:
+    """q and k of one call, [..., heads, d] with `ndim` dims: float32/float16/bfloat16 tensors of one dtype and
+    device, the same leading dims and an even head dim d; head counts may differ."""
+    for name, x in zip(names, (q, k), strict=True):
+        check_float_tensor(name, x)
+        if x.dim() != ndim:
+            raise ValueError(f"{name}: expected a {ndim}-D tensor {shape}, got shape {tuple(x.shape)}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"{names[1]}: expected the dtype of {names[0]} ({q.dtype}), got {k.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"{names[1]}: expected the device of {names[0]} ({q.device}), got {k.device}")
+    if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{names[1]}: expected the tokens and head dim of {names[0]} (shape {tuple(q.shape)}, "
+                         f"heads may differ), got shape {tuple(k.shape)}")
+    if q.shape[-1] % 2 or q.shape[-1] == 0:
+        raise ValueError(f"{names[0]}: rotary pairs are channels (2i, 2i + 1): expected an even head dim, got "
+                         f"{q.shape[-1]}")
+
+
+def complex_tables(freqs_cis, x, x_name: str, name: str = "freqs_cis"):
+    """(cos, sin): the real and imaginary parts of complex64 `freqs_cis` as float32 views (stride 2 in
+    `view_as_real`'s memory), no copy; a lazily conjugated or negated tensor is resolved first (one copy)."""
+    if not isinstance(freqs_cis, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(freqs_cis).__name__}")
+    if freqs_cis.dtype != torch.complex64:
+        why = " (float64 math is refused on every path; convert with .to(torch.complex64))" \
+            if freqs_cis.dtype == torch.complex128 else ""
+        raise TypeError(f"{name}: expected dtype complex64 (torch.polar of float32 angles){why}, got "
+                        f"{freqs_cis.dtype}")
+    if freqs_cis.device != x.device:
+        raise ValueError(f"{name}: expected the device of {x_name} ({x.device}), got {freqs_cis.device}")
+    parts = torch.view_as_real(freqs_cis.resolve_conj().resolve_neg())  # each the tensor itself unless its bit is set
+    return parts[..., 0], parts[..., 1]
+
+
+def heads_view(name, x, positions, head_size):
+    """vLLM's x ([*positions.shape, heads * head_size] or [..., heads, head_size]) as [num_tokens, heads, head_size]
+    (a view)."""
+    check_float_tensor(name, x)
+    lead = positions.dim()
+    rest = x.shape[lead:]
+    if x.shape[:lead] != positions.shape or len(rest) not in (1, 2) or rest[-1] % head_size or \
+            (len(rest) == 2 and rest[-1] != head_size):
+        raise ValueError(f"{name}: expected [{', '.join(map(str, positions.shape))}, heads * {head_size}] or "
+                         f"[..., heads, {head_size}] (leading dims as positions'), got {tuple(x.shape)}")
+    try:
+        return x.view(positions.numel(), rest[0] if len(rest) == 2 else rest[0] // head_size, head_size)
+    except RuntimeError:
+        raise ValueError(f"{name}: cannot be viewed as [num_tokens, heads, head_size] (strides "
+                         f"{tuple(x.stride())}); pass a tensor whose heads are evenly strided") from None
+
+
+# QK norm fused with RoPE (rope.qknorm)
+
+
+
+def check_norm(q, q_weight, k_weight, eps, names=("q_weight", "k_weight")) -> None:
+    """Weights [d] (d: q's head dim) of a float dtype on q's device; eps a finite number > 0."""
+    d = q.shape[-1]
+    for name, w in zip(names, (q_weight, k_weight), strict=True):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
+        if w.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected dtype float32, float16 or bfloat16, got {w.dtype}")
+        if tuple(w.shape) != (d,):
+            raise ValueError(f"{name}: expected shape [{d}] (the head dim), got {tuple(w.shape)}")
+        if w.device != q.device:
+            raise ValueError(f"{name}: expected the device of q ({q.device}), got {w.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps: expected a finite number > 0, got {eps!r}")
+
+
+def check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, interleaved, gemma):
+    """`rope.qknorm.apply`'s arguments; returns q and k as [b, s, h, d] views."""
+    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in _SHAPES:
+        raise ValueError(f"unsqueeze_dim: expected 1 (q, k as {_SHAPES[1]}) or 2 ({_SHAPES[2]}), got {unsqueeze_dim!r}")
+    check_bools(interleaved=interleaved, gemma=gemma)
+    for name, x in (("q", q), ("k", k)):
+        check_float_tensor(name, x)
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor {_SHAPES[unsqueeze_dim]}, got shape {tuple(x.shape)}")
+    qv, kv = (q.transpose(1, 2), k.transpose(1, 2)) if unsqueeze_dim == 1 else (q, k)
+    check_pair(qv, kv, "bshd")
+    check_norm(q, q_weight, k_weight, eps)
+    check_tables(cos, sin, q, "q")
+    b, s, _, d = qv.shape
+    if cos.dim() != 3 or cos.shape[1] != s or cos.shape[0] not in (1, b):
+        raise ValueError(f"cos: expected shape [b, s, rot] with b = {b} or 1, s = {s}, got {tuple(cos.shape)}")
+    check_rotary_width(cos.shape[-1], d, "cos")
+    return qv, kv
+
+
+def check_freqs_call(q, k, q_weight, k_weight, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
+                     cp_rank, eps, gemma, check_signature=None):
+    """`rope.qknorm.apply_freqs`'s arguments, in one order on every path: q and k (float64 refused), TransformerEngine's
+    checks of each against freqs (angles [s2, 1, 1, rot]) naming q and k, gemma, the weights and eps, then the values
+    of cu_seqlens and start_positions. `check_signature(x, freqs, ..., cp_rank, name)`: the memoised check of the
+    kernel path (`rope._backend.checked_call`), returning a `Call`; without it `check_static`. Returns q's `Call`,
+    or its Layout."""
+    for name, x in (("q", q), ("k", k)):
+        check_float_tensor(name, x)
+    check_pair(q, k, tensor_format)
+    args = (freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
+    if check_signature is not None:
+        call = check_signature(q, *args, "q")
+        check_signature(k, *args, "k")
+        layout = call.layout
+    else:
+        call = layout = check_static(q, *args, allow_float64=False, name="q")
+        check_static(k, *args, allow_float64=False, name="k")
+    check_bools(gemma=gemma)
+    check_norm(q, q_weight, k_weight, eps)
+    check_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    return call
+
+
+def check_cache_call(q, k, q_weight, k_weight, positions, cache, eps, is_neox, gemma, names=("q", "positions"),
+                     mrope=None):
+    """q [T, hq, d], k [T, hk, d], positions [T], cos_sin_cache [max_position, rot]; returns (its cos half, its
+    sin half, max_position, the kernel's streams). `names`: what the caller calls q and positions (vLLM: qkv,
+    position_ids). `mrope`: (mrope_section, mrope_interleaved) of multimodal RoPE, positions [3, T] or [T]."""
+    check_bools(is_neox=is_neox, gemma=gemma)
+    section, mrope_interleaved = (None, False) if mrope is None else mrope
+    if not isinstance(mrope_interleaved, bool):
+        raise TypeError(f"mrope_interleaved: expected a bool, got {type(mrope_interleaved).__name__}")
+    if section is None:
+        if mrope_interleaved:
+            raise ValueError("mrope_interleaved: expected False without mrope_section (it orders the sections)")
+        if isinstance(positions, torch.Tensor) and positions.dim() == 2:
+            raise ValueError(f"{names[1]}: shape {tuple(positions.shape)} holds position streams (multimodal "
+                             f"RoPE, [3, T]): pass mrope_section, the rotary pairs per stream")
+    for name, x in (("q", q), ("k", k)):
+        check_float_tensor(name, x)
+        if x.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D tensor [T, h, d], got shape {tuple(x.shape)}")
+    check_pair(q, k, "thd")
+    check_norm(q, q_weight, k_weight, eps)
+    if section is None:
+        check_token_positions(positions, q.shape[0], q, names[0], names[1])
+    else:
+        check_stream_positions(positions, (q.shape[0],), q, names[0], names[1])
+    cos, sin, rows = check_cos_sin_cache(cache, q.shape[-1], q, names[0])
+    rot = 2 * cos.shape[1]
+    streams = (0, 0, 0, 0) if section is None else check_mrope_section(section, rot // 2, mrope_interleaved)
+    return cos, sin, rows, streams
+
+
+def check_packed(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim):
+    """vLLM's packed qkv [T, (hq + hk + hv) * head_dim]: (q, k) as [T, h, head_dim] views, checked disjoint."""
+    for name, v, low in (("num_heads_q", num_heads_q, 1), ("num_heads_k", num_heads_k, 1),
+                         ("num_heads_v", num_heads_v, 0), ("head_dim", head_dim, 2)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
+    check_float_tensor("qkv", qkv)
+    width = (num_heads_q + num_heads_k + num_heads_v) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width:
+        raise ValueError(f"qkv: expected shape [T, (num_heads_q + num_heads_k + num_heads_v) * head_dim] = "
+                         f"[T, {width}], got {tuple(qkv.shape)}")
+    if qkv.stride(1) != 1:
+        raise ValueError(f"qkv: expected unit channel stride, got strides {tuple(qkv.stride())}")
+    hd = head_dim
+    q = qkv[:, :num_heads_q * hd].unflatten(1, (num_heads_q, hd))
+    k = qkv[:, num_heads_q * hd:(num_heads_q + num_heads_k) * hd].unflatten(1, (num_heads_k, hd))
+    check_disjoint(q, k, ("qkv", "qkv"))
+    return q, k
+
+
+# RoPE fused with the KV-cache write (rope.serving)
+
+CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8 = torch.float8_e4m3fn
+
+
+def check_kv_cache(name: str, cache, shape: tuple, x, fp8: bool, x_name: str = "query"):
+    """A cache of `shape` on x's device, in x's dtype (auto) or float8_e4m3fn (uint8 viewed as it); returns it."""
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cache).__name__}")
+    if tuple(cache.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {tuple(cache.shape)}")
+    if cache.device != x.device:
+        raise ValueError(f"{name}: expected the device of {x_name} ({x.device}), got {cache.device}")
+    if fp8:
+        if cache.dtype not in (FP8, torch.uint8):
+            raise TypeError(f"{name}: an fp8 cache holds float8_e4m3fn (or its bytes as uint8), got {cache.dtype}")
+        cache = cache.view(FP8)
+    elif cache.dtype != x.dtype:
+        raise TypeError(f"{name}: kv_cache_dtype 'auto' stores the model's dtype {x.dtype}, got {cache.dtype}")
+    check_inplace(name, cache)
+    return cache
+
+
+def check_scale(name: str, scale, x):
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{name}: an fp8 cache needs a float32 tensor of one element, got {type(scale).__name__}")
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError(f"{name}: expected a float32 tensor of one element, got {scale.dtype} {tuple(scale.shape)}")
+    if scale.device != x.device:
+        raise ValueError(f"{name}: expected the device of query ({x.device}), got {scale.device}")
+    return scale.reshape(1)
+
+
+def check_no_grad(**tensors) -> None:
+    """The op writes in place and has no backward."""
+    if torch.is_grad_enabled():
+        for name, x in tensors.items():
+            if x.requires_grad:
+                raise ValueError(f"{name}: the fused op writes in place and has no backward; call it under "
+                                 f"torch.no_grad()")
+
+
+def check_vllm(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox,
+               kv_cache_dtype, k_scale, v_scale):
+    """vLLM's form -> (q, k, v as [T, h, d] views, the caches [num_blocks, block_size, hk, d] (fp8 as
+    float8_e4m3fn), cos, sin, max_position, fp8, k_scale, v_scale as [1])."""
+    if not isinstance(is_neox, bool):
+        raise TypeError(f"is_neox: expected a bool, got {type(is_neox).__name__}")
+    if kv_cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: expected one of {CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    fp8 = kv_cache_dtype != "auto"
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions: expected a torch.Tensor, got {type(positions).__name__}")
+    if positions.dim() != 1:
+        raise ValueError(f"positions: expected shape [num_tokens], got {tuple(positions.shape)}")
+    if not isinstance(key_cache, torch.Tensor) or key_cache.dim() != 4:
+        raise ValueError(f"key_cache: expected shape [num_blocks, block_size, num_kv_heads, head_size], got "
+                         f"{getattr(key_cache, 'shape', type(key_cache).__name__)}")
+    hk, d = key_cache.shape[2], key_cache.shape[3]
+    q = heads_view("query", query, positions, d)
+    k, v = heads_view("key", key, positions, d), heads_view("value", value, positions, d)
+    for name, x in (("key", k), ("value", v)):
+        if x.shape[1] != hk:
+            raise ValueError(f"{name}: expected num_kv_heads = {hk} heads (key_cache's), got {x.shape[1]}")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name}: expected the dtype and device of query ({q.dtype}, {q.device}), got "
+                             f"{x.dtype}, {x.device}")
+    check_no_grad(query=query, key=key, value=value)
+    check_token_positions(positions, q.shape[0], q, "query")
+    cos, sin, rows = check_cos_sin_cache(cos_sin_cache, d, q, "query")
+    kc = check_kv_cache("key_cache", key_cache, key_cache.shape, q, fp8)
+    vc = check_kv_cache("value_cache", value_cache, key_cache.shape, q, fp8)
+    check_index_tensor("slot_mapping", slot_mapping, q, "query")
+    if slot_mapping.shape[0] > q.shape[0]:
+        raise ValueError(f"slot_mapping: expected at most num_tokens = {q.shape[0]} slots, got "
+                         f"{slot_mapping.shape[0]}")
+    ks = check_scale("k_scale", k_scale, q) if fp8 else None
+    vs = check_scale("v_scale", v_scale, q) if fp8 else None
+    check_inplace("query", q)
+    check_inplace("key", k)
+    check_disjoint(q, k, ("query", "key"))
+    check_disjoint(kc, vc, ("key_cache", "value_cache"))
+    return q, k, v, kc, vc, cos, sin, rows, fp8, ks, vs
+
+
+def check_sglang(q, k, v, k_cache, v_cache, cos_sin_cache, positions, out_loc, is_neox, rope_dim):
+    """SGLang's flat pool form -> (q, k, v [T, h, d], the pools as [pool_size, 1, hk, d] (blocks of one slot), cos,
+    sin, max_position)."""
+    if not isinstance(is_neox, bool):
+        raise TypeError(f"is_neox: expected a bool, got {type(is_neox).__name__}")
+    for name, x in (("q", q), ("k", k)):
+        check_float_tensor(name, x)
+        if x.dim() != 3:
+            raise ValueError(f"{name}: expected [num_tokens, heads, head_dim], got {tuple(x.shape)}")
+    t, hk, d = k.shape
+    if q.shape[0] != t or q.shape[2] != d or q.dtype != k.dtype or q.device != k.device:
+        raise ValueError(f"k: expected q's tokens, head_dim, dtype and device ({t}, {q.shape[2]}, {q.dtype}, "
+                         f"{q.device}), got {tuple(k.shape)} {k.dtype} {k.device}")
+    check_float_tensor("v", v)
+    if v.dtype != k.dtype or v.device != k.device or tuple(v.shape) not in ((t, hk, d), (t, hk * d)):
+        raise ValueError(f"v: expected k's dtype and device and shape [{t}, {hk}, {d}] or [{t}, {hk * d}], got "
+                         f"{tuple(v.shape)} {v.dtype} {v.device}")
+    v = v.unflatten(1, (hk, d)) if v.dim() == 2 else v
+    check_no_grad(q=q, k=k, v=v)
+    check_token_positions(positions, t, q, "q")
+    cos, sin, rows = check_cos_sin_cache(cos_sin_cache, d, q, "q", rope_dim)
+    pools = []
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor) or c.dim() not in (2, 3) or c.shape[1:] not in ((hk * d,), (hk, d)):
+            raise ValueError(f"{name}: expected shape [pool_size, {hk * d}] or [pool_size, {hk}, {d}] (num_kv_heads "
+                             f"= {hk}, head_dim = {d}), got {getattr(c, 'shape', type(c).__name__)}")
+        c = check_kv_cache(name, c, c.shape, q, False, "q")
+        pools.append((c.unflatten(1, (hk, d)) if c.dim() == 2 else c).unsqueeze(1))
+    if pools[1].shape != pools[0].shape:
+        raise ValueError(f"v_cache: expected k_cache's pool size {pools[0].shape[0]}, got {pools[1].shape[0]}")
+    check_index_tensor("out_loc", out_loc, q, "q")
+    if out_loc.shape[0] != t:
+        raise ValueError(f"out_loc: expected one slot per token ({t}), got {out_loc.shape[0]}")
+    check_inplace("q", q)
+    check_inplace("k", k)
+    check_disjoint(q, k, ("q", "k"))
+    check_disjoint(*pools, ("k_cache", "v_cache"))
+    return q, k, v, pools[0], pools[1], cos, sin, rows
+
+
+def check_slots_in(slots, n_slots: int, low: int, name: str) -> None:
+    """Every slot in [low, n_slots) (low -1: vLLM's padding, not stored); as `check_positions_in`, one
+    device-to-host copy per new or modified tensor, skipped where that would break a capture or trace."""
+    key = (id(slots), n_slots, low, name)
+    seen = _PASSED.get(key)
+    if (seen is not None and _still(seen[0], slots)) or slots.numel() == 0 or skip_value_checks(slots):
+        return
+    lo, hi = torch.stack(torch.aminmax(slots)).tolist()
+    if lo < low or hi >= n_slots:
+        raise ValueError(f"{name}: expected slots in [{low}, {n_slots}) (the cache's slots"
+                         f"{', -1: not stored' if low < 0 else ''}), got values in [{lo}, {hi}]")
+    stamp = _stamp(slots)
+    if stamp is not False:
+        _PASSED.put(key, (stamp,))
