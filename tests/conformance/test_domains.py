@@ -6,22 +6,30 @@ A class no strategy draws is a class of bugs the suite can never see; this test 
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
 from . import spec
 from .draws import no_local_constants
 from .spec import domains
-from .test_native import CPU_EXAMPLES
+from .test_native import current_profile, examples_for
 
 CONVENTIONS = spec.available()
 
 
-def cpu_budget(conv) -> int:
-    """The plans test_native.py draws of `conv` in the CI default (cpu-interp profile): forward, backward where
-    the convention has one, and each invariant."""
-    return (CPU_EXAMPLES["forward"] + (CPU_EXAMPLES["backward"] if conv.DIFFERENTIABLE else 0)
-            + CPU_EXAMPLES["invariant"] * len(conv.INVARIANTS))
+def run_budget(conv) -> int:
+    """The plans test_native.py draws of `conv` in this run, its forward, backward (where the convention has one)
+    and invariant properties together: the CPU counts in the CI default (cpu-interp profile), else the profile's
+    count (ROPE_MAX_EXAMPLES included) for each. On a device the strategies draw device-sized plans, so the proof
+    is for the draws this run makes."""
+    def examples(prop):
+        n = examples_for(prop, current_profile(), os.environ)
+        return settings.default.max_examples if n is None else n
+
+    return (examples("forward") + (examples("backward") if conv.DIFFERENTIABLE else 0)
+            + examples("invariant") * len(conv.INVARIANTS))
 
 
 def drawn_classes(conv, caps, examples: int) -> dict:
@@ -51,8 +59,8 @@ def test_every_declared_class_is_drawn(name):
     conv = spec.load(name)
     caps = conv.caps()
     assert conv.DOMAIN, f"{name}: no DOMAIN declared"
-    missing = missing_classes(conv, caps, cpu_budget(conv))
-    assert not missing, f"{name}: declared classes not drawn in {cpu_budget(conv)} plans: {missing}"
+    missing = missing_classes(conv, caps, run_budget(conv))
+    assert not missing, f"{name}: declared classes not drawn in {run_budget(conv)} plans: {missing}"
 
 
 @pytest.mark.parametrize("name", CONVENTIONS)

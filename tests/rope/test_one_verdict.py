@@ -376,7 +376,7 @@ def test_embedding_refuses_arguments_that_give_no_angles(argument, value, error)
 def test_stress_refuses_threads_in_the_interpreter(processes, capsys):
     """Triton's interpreter is not thread-safe: the stress run refuses threads over rope's kernels there, before any
     call runs, saying why, rather than reporting wrong results (and then crashing)."""
-    from .conformance import stress
+    from tests.conformance import stress
 
     with mock.patch.object(stress, "draw_jobs", side_effect=AssertionError("calls drawn")):
         with pytest.raises(SystemExit) as refused:

@@ -66,7 +66,7 @@ class QKNorm(Convention):
 
     def plans(self, caps):
         lim = dict(b=2, h=3, s=4, dims=(2, 4, 6, 7, 8, 10, 16)) if small() else \
-            dict(b=2, h=17, s=128, dims=(2, 6, 64, 80, 128, 256))
+            dict(b=2, h=17, s=128, dims=(2, 6, 64, 80, 81, 128, 256))
 
         @st.composite
         def draw(draw):

@@ -150,7 +150,7 @@ class TE(Convention):
         lim = dict(s=4, b=2, heads=(1, 2, 3, 17), n=4, units=2, cp=(1, 1, 2, 3), extra=2,
                    dims=(2, 4, 6, 7, 8, 10, 16, 80)) if small() else \
             dict(s=256, b=4, heads=(1, 8, 17, 32), n=8, units=64, cp=(1, 1, 2, 4), extra=64,
-                 dims=(2, 6, 64, 80, 96, 128, 256))
+                 dims=(2, 6, 64, 80, 81, 96, 128, 256))
 
         @st.composite
         def draw(draw):

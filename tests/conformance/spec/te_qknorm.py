@@ -100,7 +100,7 @@ class TEQKNorm(Convention):
     def plans(self, caps):
         # the interpreter's time grows with the tokens (one program each, or per (s, b) with start_positions)
         lim = dict(s=3, b=2, h=3, n=2, len=2, cp=(1, 1, 2), extra=2, dims=(2, 4, 6, 7, 8, 10, 16)) if small() else \
-            dict(s=128, b=2, h=17, n=6, len=24, cp=(1, 1, 2, 3), extra=64, dims=(2, 6, 64, 80, 128, 256))
+            dict(s=128, b=2, h=17, n=6, len=24, cp=(1, 1, 2, 3), extra=64, dims=(2, 6, 64, 80, 81, 128, 256))
 
         @st.composite
         def draw(draw):

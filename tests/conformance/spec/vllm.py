@@ -50,7 +50,7 @@ class Plan(NamedTuple):
 def limits():
     if small():
         return dict(t=6, b=2, s=3, h=4, rows=8, dims=(2, 4, 6, 7, 8, 12, 16))
-    return dict(t=4096, b=4, s=1024, h=32, rows=8192, dims=(2, 6, 64, 80, 96, 128, 256))
+    return dict(t=4096, b=4, s=1024, h=32, rows=8192, dims=(2, 6, 64, 80, 81, 96, 128, 256))
 
 
 @st.composite

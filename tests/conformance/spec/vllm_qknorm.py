@@ -62,7 +62,7 @@ class VLLMQKNorm(Convention):
 
     def plans(self, caps):
         lim = dict(t=5, h=3, rows=8, dims=(2, 4, 6, 7, 8, 10, 16)) if small() else \
-            dict(t=256, h=17, rows=4096, dims=(2, 6, 64, 80, 128, 256))
+            dict(t=256, h=17, rows=4096, dims=(2, 6, 64, 80, 81, 128, 256))
 
         @st.composite
         def draw(draw):
