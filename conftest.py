@@ -50,17 +50,18 @@ _COMMON = dict(deadline=None, print_blob=True,
                                       HealthCheck.filter_too_much])
 # CI default: Triton's interpreter on the CPU. Small shapes (tests/rope/strategies.py LIMITS), the same
 # examples every run, no example database, no targeting phase (its extra runs cost minutes). 20 examples per
-# property: the whole CPU suite, the native conventions' properties included, must fit CI's 15 minutes on 2
-# cores. The properties' coverage comes from the GPU profile (100 examples, realistic shapes) and the nightly
-# one; here they check that every path runs and agrees with float64 on small shapes.
+# property of rope's own tests; the native properties take test_native.py's CPU_EXAMPLES in this profile alone.
+# The whole CPU suite must fit CI's 12 minutes on 2 cores (docs/conformance.md gives the measured times). The
+# properties' coverage comes from the GPU profile (100 examples, realistic shapes) and the nightly one; here they
+# check that every path runs and agrees with float64 on small shapes.
 settings.register_profile("cpu-interp", max_examples=20, derandomize=True, database=None,
                           phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink], **_COMMON)
 # On the device: realistic shapes up to tens of MB per tensor. Compile-bound, not GPU-bound: nearly
 # every drawn (dtype, d, d2, mode, direction, tile) is a new Triton specialization (about 500 in 600
 # draws), compiled in about a second each; hence 100 examples per property, and `-n auto`
 # (pytest-xdist, workers share Triton's on-disk cache) to spread the compiles over the host's cores,
-# with `--dist worksteal` so that no worker is left with a queue of properties. On an H200 host with
-# 16 cores the whole suite takes over 6 minutes (on 2026-11-26, 97 % of it had run after 400 s).
+# with `--dist worksteal` so that no worker is left with a queue of properties (docs/conformance.md gives the
+# measured times).
 settings.register_profile("gpu", max_examples=100, **_COMMON)
 # Long hunt: thousands of examples; the accuracy checks call hypothesis.target() on the error
 # relative to the allowed bound, steering generation towards the worst case.

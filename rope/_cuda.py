@@ -14,5 +14,5 @@ def capturing_on(device_index) -> bool:
 def capturing(stream) -> bool:
     """Whether the stream whose raw handle this is captures a CUDA graph (it must be the current stream)."""
     # CUDA refuses to capture on the legacy default stream, where eager code runs: there the answer
-    # is known without asking CUDA (which costs about 10 µs per call on that stream).
+    # is known without asking CUDA, whose query has a host cost of its own per call (docs/design.md).
     return stream != 0 and torch.cuda.is_current_stream_capturing()
