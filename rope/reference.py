@@ -2,7 +2,7 @@
 
 It follows docs/contract.md section 3 literally: positions per token, angles gathered per token, every
 channel i < d2 combined with its partner pi(i) and sign sigma(i); the backward is autograd through the
-same operations, the exact adjoint by construction. Angles are read as float32 (float64 stays float64),
+same operations, the exact adjoint by construction. Angles are read as float32 (float64 for a float64 t),
 arithmetic runs in float32 (float64 for float64 inputs), and the result is rounded once to t.dtype: on
 `t.double()` with float32 angles it is the float64 oracle.
 """
@@ -129,8 +129,7 @@ def apply_multimodal_rotary_pos_emb(t, freqs, positions, mrope_section, tensor_f
     if cache is not None:
         cos, sin = rows_at(cache.cos, pos), rows_at(cache.sin, pos)
     else:
-        f = rows_at(freqs[:, 0, 0, :].to(torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32),
-                    pos)
+        f = rows_at(angles_as_read(freqs[:, 0, 0, :], t.dtype), pos)
         cos, sin = torch.cos(f), torch.sin(f)
     stream = section_of_pair(mrope_section, cos.shape[-1] // 2, mrope_interleaved)
     cos, sin = (select_streams(tab, stream, interleaved) for tab in (cos, sin))
@@ -155,17 +154,22 @@ def checked_apply(t, freqs, tensor_format, start_positions, interleaved, cu_seql
                           cp_rank, allow_float64=allow_float64)
     check_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     pos = token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, t.device)
-    compute = torch.float64 if torch.float64 in (t.dtype, freqs.dtype) else torch.float32
-    return rotate(t, *token_tables(freqs, cache, pos, tensor_format, compute), interleaved)
+    return rotate(t, *token_tables(freqs, cache, pos, tensor_format, t.dtype), interleaved)
 
 
-def token_tables(freqs, cache, pos, tensor_format, compute=torch.float32):
+def angles_as_read(freqs: torch.Tensor, t_dtype: torch.dtype) -> torch.Tensor:
+    """`freqs` as every path reads them (docs/contract.md section 2): float32, whatever their dtype, so that the
+    kernel and this path give one verdict; float64 only for a float64 `t`, the oracle's own mode."""
+    return freqs.to(torch.float64 if t_dtype == torch.float64 else torch.float32)
+
+
+def token_tables(freqs, cache, pos, tensor_format, t_dtype=torch.float32):
     """cos and sin at each token's position `pos` (`token_positions`' shape), broadcast over heads: [s, b, 1, d2]
     in t's (s, b) roles, or [t, 1, d2] for thd. The rows of `cache` (a `rope.RoPECache`) where given, else sin/cos
-    of freqs' rows ([s2, 1, 1, d2]) evaluated in `compute`."""
+    of freqs' rows ([s2, 1, 1, d2]) read as `angles_as_read` says for a `t` of `t_dtype`."""
     if cache is not None:
         return _per_token(rows_at(cache.cos, pos), rows_at(cache.sin, pos), tensor_format)
-    f = rows_at(freqs[:, 0, 0, :].to(compute), pos)
+    f = rows_at(angles_as_read(freqs[:, 0, 0, :], t_dtype), pos)
     return _per_token(torch.cos(f), torch.sin(f), tensor_format)
 
 

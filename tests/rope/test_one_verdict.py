@@ -398,3 +398,22 @@ def test_positions_of_another_dtype_take_a_plan_of_their_own(name):
         plans[dtype] = {id(c.args[0]) for c in launches.call_args_list}
         assert plans[dtype], f"{name}: no launch"
     assert not plans[torch.int32] & plans[torch.int64], f"{name}: int64 positions launched with int32's plan"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_float64_freqs_are_read_as_float32_on_the_reference_path(fused):
+    """freqs are read as float32 on every path (docs/contract.md section 2): float64 angles give the result of their
+    float32 rounding, bitwise, on the PyTorch path too (fused=False, and fused=True on a CPU tensor without the
+    interpreter). Angles to 2^17 rad, where float32's spacing (2^-6 rad) changes every cos and sin."""
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(5, 2, 3, 8, generator=gen)
+    freqs = (torch.rand(5, 1, 1, 8, generator=gen, dtype=torch.float64) * 2 - 1) * 2.0**17
+    with mock.patch.object(rope.functional, "on_kernel_device", return_value=False):
+        got = rope.apply_rotary_pos_emb(t, freqs, fused=fused)
+        want = rope.apply_rotary_pos_emb(t, freqs.float(), fused=fused)
+    assert torch.equal(got, want), (got - want).abs().max()
+    mt = t.reshape(10, 3, 8)
+    positions = torch.randint(0, 5, (3, 10), generator=gen)
+    got = rope.reference.apply_multimodal_rotary_pos_emb(mt, freqs, positions, (2, 1, 1))
+    want = rope.reference.apply_multimodal_rotary_pos_emb(mt, freqs.float(), positions, (2, 1, 1))
+    assert torch.equal(got, want), (got - want).abs().max()
