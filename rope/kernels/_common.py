@@ -40,7 +40,7 @@ def _quotient(x, scale, inv):
     q0 = RN(x inv) is within an ulp of x / scale, and one FMA step q0 + inv (x - q0 scale) is the correctly rounded
     quotient (Markstein's theorem, where nothing overflows). Where |q0| >= 896 the value saturates to 448 either
     way, and a zero q0 keeps its sign. Checked against the division for every bf16 value at 1009 scales from 1e-30
-    to 1e30: the same e4m3 bytes (tests/test_serving.py checks every bf16 value at two scales)."""
+    to 1e30: the same e4m3 bytes (tests/rope/test_serving.py checks every bf16 value at two scales)."""
     xf = x.to(tl.float32)
     q0 = xf * inv
     q1 = tl.fma(tl.fma(-q0, scale, xf), inv, q0)
