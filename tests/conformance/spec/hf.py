@@ -323,11 +323,15 @@ def unsqueeze_domain() -> tuple:
     return domains.optional("unsqueeze_dim", "2", other_off=lambda caps: 2 not in caps["unsqueeze_dim"])
 
 
+def k_domain() -> tuple:
+    return (*domains.layouts("k"),
+            domains.cls("as many heads as q", lambda p, c: p.hk == p.hq),
+            domains.cls("fewer heads than q (GQA)", lambda p, c: p.hk < p.hq, "gqa"))
+
+
 HF.DOMAIN = {
     "q": heads_domain("q"),
-    "k": (*domains.layouts("k"),
-          domains.cls("as many heads as q", lambda p, c: p.hk == p.hq),
-          domains.cls("fewer heads than q (GQA)", lambda p, c: p.hk < p.hq, "gqa")),
+    "k": k_domain(),
     "cos": tables_domain(),
     "sin": tables_domain("sin"),
     "position_ids": domains.optional("position_ids", "a tensor", cap="position_ids"),

@@ -201,13 +201,11 @@ class HFMRoPE(Convention):
 
 
 def _mrope_domain() -> dict:
-    from .hf import heads_domain, tables_domain, unsqueeze_domain
+    from .hf import heads_domain, k_domain, tables_domain, unsqueeze_domain
 
     return {
         "q": heads_domain("q"),
-        "k": (*domains.layouts("k"),
-              domains.cls("as many heads as q", lambda p, c: p.hk == p.hq),
-              domains.cls("fewer heads than q (GQA)", lambda p, c: p.hk < p.hq, "gqa")),
+        "k": k_domain(),
         "cos": tables_domain(),
         "sin": tables_domain("sin"),
         "mrope_section": (domains.cls("every stream a section", lambda p, c: all(p.section)),

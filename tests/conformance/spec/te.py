@@ -324,18 +324,9 @@ def grad_layouts(caps) -> tuple:
 
 
 def upstream_as(kind: str, g: torch.Tensor) -> torch.Tensor:
-    """g's values laid out as `kind`: contiguous; strided (the first two dims' memory swapped, every other element of
-    a buffer twice as wide: NaN between); expanded (g's first token broadcast over every token: stride 0, the
-    gradient of a broadcast, so g's other tokens are replaced by the first's)."""
-    if kind == "contiguous" or g.numel() == 0:
-        return g
-    if kind == "expanded":
-        return g[(slice(0, 1),) * (g.dim() - 2)].expand(g.shape)
-    shape = (g.shape[1], g.shape[0], *g.shape[2:-1], 2 * g.shape[-1])
-    wide = torch.full(shape, float("nan"), dtype=g.dtype, device=g.device).transpose(0, 1)
-    view = wide[..., ::2]
-    view.copy_(g)
-    return view
+    """g's values laid out as `kind` (domains.lay_out_upstream: contiguous, strided or expanded with stride 0, the
+    gradient of a broadcast, whose repeated values then replace g's own)."""
+    return g if kind == "contiguous" or g.numel() == 0 else domains.lay_out_upstream(g, kind)
 
 
 # ---------------------------------------------------------------------------------------------- invariants
