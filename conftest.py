@@ -223,16 +223,44 @@ class TargetTested:
                 red=True)
 
 
-# The Hypothesis properties are the longest tests by far in the GPU profile (compile-bound: most examples are a
-# new kernel specialization). Collected first, they start at once on separate pytest-xdist workers instead of
-# forming a serial tail on a few workers at the end of the run.
-_LONGEST_FIRST = ("test_native.py", "test_properties.py")
+# The longest tests, longest first: on a device the Hypothesis properties (compile-bound: most examples are a new
+# kernel specialization), the thread and stream stress test, the command-line runs of the zoo. docs/conformance.md
+# gives the measured times. A pattern is matched against the test's node id.
+_LONGEST_FIRST = ("test_streams.py::test_stress", "test_properties.py::test_matches_float64_reference",
+                  "test_native.py::test_backward", "test_native.py::test_forward", "test_zoo.py::test_through_rope_impl",
+                  "test_native.py::test_invariant", "test_zoo.py::test_correct_passes",
+                  "test_domains.py::test_every_declared_class_is_drawn", "test_properties.py", "test_native.py")
 
 
+def _longest_rank(item) -> int:
+    return next((i for i, pattern in enumerate(_LONGEST_FIRST) if pattern in item.nodeid), len(_LONGEST_FIRST))
+
+
+def dealt(items: list, workers: int) -> list:
+    """items (longest first) laid out for pytest-xdist's work stealing, which hands worker i a run of consecutive
+    tests (n // workers for the first, then the rest evenly over the others) and lets an idle worker take the back
+    half of the longest queue: dealt round-robin into those runs, each worker starts on its share of the longest
+    tests, and the short ones at the back are what moves. Without this the longest tests would queue one after
+    another at the front of the first worker's run."""
+    sizes, left = [], len(items)
+    for i in range(workers):
+        sizes.append(left // (workers - i))
+        left -= sizes[-1]
+    runs = [[] for _ in sizes]
+    turn = 0
+    for item in items:
+        while len(runs[turn % workers]) >= sizes[turn % workers]:
+            turn += 1
+        runs[turn % workers].append(item)
+        turn += 1
+    return [item for run in runs for item in run]
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: the runs are of what is collected
 def pytest_collection_modifyitems(config, items):
-    """rope's own tests deselected under a foreign target; longest tests first; every test of the target tagged with
-    its property name (user property rope_property), for the conformance report and for the count of what ran
-    against the target."""
+    """rope's own tests deselected under a foreign target; the longest tests first, dealt over pytest-xdist's
+    workers (`dealt`); every test of the target tagged with its property name (user property rope_property), for
+    the conformance report and for the count of what ran against the target."""
     from tests.conformance.report import property_name
 
     if not _is_ours(config):
@@ -240,7 +268,8 @@ def pytest_collection_modifyitems(config, items):
         if own:
             config.hook.pytest_deselected(items=own)
             items[:] = [item for item in items if not _own_test(item.path)]
-    items.sort(key=lambda item: item.path.name not in _LONGEST_FIRST)  # stable: file order otherwise
+    items.sort(key=_longest_rank)  # stable: collection order otherwise
+    items[:] = dealt(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     for item in items:
         name = property_name(item)
         if name is not None:

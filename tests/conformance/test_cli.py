@@ -220,3 +220,25 @@ def test_merge_and_splice(tmp_path):
     spliced = doc.read_text()
     assert spliced.startswith("intro\n") and spliced.endswith("after\n") and "old" not in spliced
     assert "### Conformance report" in spliced and "no_such_module_xyz" in spliced
+
+
+@pytest.mark.parametrize("workers,longest,short", [(16, 20, 3000), (2, 3, 50), (4, 1, 10), (3, 0, 7), (5, 9, 0)])
+def test_longest_tests_are_dealt_one_per_worker_run(request, workers, longest, short):
+    """conftest.dealt: pytest-xdist's work stealing hands worker i the i-th run of consecutive tests (n // workers,
+    then the rest evenly over the others); each run starts on its share of the longest tests, in their order, and
+    nothing is lost or repeated."""
+    (conftest,) = [p for p in request.config.pluginmanager.get_plugins()
+                   if getattr(p, "__file__", None) == str(ROOT / "conftest.py")]
+    items = [("long", i) for i in range(longest)] + [("short", i) for i in range(short)]
+    laid = conftest.dealt(items, workers)
+    assert sorted(laid) == sorted(items)
+    runs, left, at = [], len(items), 0
+    for i in range(workers):  # xdist's worksteal.check_schedule: len(pending) // nodes_remaining, in turn
+        size = left // (workers - i)
+        runs.append(laid[at:at + size])
+        at, left = at + size, left - size
+    for i, run in enumerate(runs):
+        if i < longest:
+            assert run[0] == ("long", i), (i, run)
+        kinds = [kind for kind, _ in run]
+        assert kinds == sorted(kinds), f"run {i}: a short test before a long one: {run}"

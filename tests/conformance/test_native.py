@@ -11,8 +11,10 @@ reason of a convention names what is then not certified (spec.domains.declared_o
 invariants run as test_invariant[convention-invariant].
 
 Budget: the Hypothesis profile in force (conftest.py: cpu-interp, gpu, nightly; HYPOTHESIS_PROFILE) and
-ROPE_MAX_EXAMPLES apply to every property here; only the CI default (the cpu-interp profile, no
-ROPE_MAX_EXAMPLES) runs the small per-property counts of CPU_EXAMPLES.
+ROPE_MAX_EXAMPLES apply to every property here. Two profiles give each kind of property its own count
+(PROFILE_EXAMPLES): the CI default (cpu-interp) its small counts, and the gpu profile fewer examples to an invariant
+than to forward and backward. ROPE_MAX_EXAMPLES, where set, gives every property that many; the nightly profile
+gives every property its own count.
 """
 from __future__ import annotations
 
@@ -28,9 +30,15 @@ from .spec import domains
 CONVENTIONS = spec.available()
 # Examples per property in the CI default (Triton's interpreter runs every kernel program after another): enough to
 # draw every declared class of a convention over its properties together (test_domains.py proves it); the GPU
-# profile's 100 examples (realistic shapes) and the nightly one are the certification.
+# profile (realistic shapes) and the nightly one are the certification.
 CPU_EXAMPLES = {"forward": 10, "backward": 6, "invariant": 4}
 CI_PROFILE = "cpu-interp"
+# The gpu profile: forward and backward take the profile's 100; an invariant takes 40. On a device the run is bound
+# by Triton's compiles (most examples are a new specialization), and an invariant calls the target two to four times
+# per example (the call and the calls it is compared with), each over the plans forward draws: 40 examples are 80-160
+# calls, as many as forward's 100. Every planted bug of the zoo that an invariant names is caught within this count
+# under the device's draws (test_zoo.py runs them with the same strategies).
+PROFILE_EXAMPLES = {CI_PROFILE: CPU_EXAMPLES, "gpu": {"invariant": 40}}
 INVARIANTS = [(name, inv) for name in CONVENTIONS for inv in spec.load(name).INVARIANTS]
 
 
@@ -40,11 +48,11 @@ def current_profile() -> str:
 
 
 def examples_for(prop: str, profile: str, env) -> int | None:
-    """The examples property `prop` runs: CPU_EXAMPLES in the CI default, else None (the profile's own count,
-    ROPE_MAX_EXAMPLES included: conftest.py registers it into the profile)."""
-    if profile == CI_PROFILE and not env.get("ROPE_MAX_EXAMPLES"):
-        return CPU_EXAMPLES[prop]
-    return None
+    """The examples property `prop` runs: the profile's count for it (PROFILE_EXAMPLES), else None (the profile's own
+    count); ROPE_MAX_EXAMPLES, where set, gives None (conftest.py registers it into the profile)."""
+    if env.get("ROPE_MAX_EXAMPLES"):
+        return None
+    return PROFILE_EXAMPLES.get(profile, {}).get(prop)
 
 
 def budget(prop: str):
@@ -124,16 +132,17 @@ def test_declared_domain(target, name):
 
 @pytest.mark.parametrize("profile,env,want", [
     (CI_PROFILE, {}, CPU_EXAMPLES),
-    (CI_PROFILE, {"ROPE_MAX_EXAMPLES": "200"}, None),
-    ("nightly", {}, None),
-    ("gpu", {}, None),
-    ("nightly", {"ROPE_MAX_EXAMPLES": "7"}, None),
+    (CI_PROFILE, {"ROPE_MAX_EXAMPLES": "200"}, {}),
+    ("nightly", {}, {}),
+    ("gpu", {}, {"invariant": 40}),
+    ("gpu", {"ROPE_MAX_EXAMPLES": "200"}, {}),
+    ("nightly", {"ROPE_MAX_EXAMPLES": "7"}, {}),
 ])
 def test_budget_follows_the_run(profile, env, want):
-    """The small per-property counts apply to the CI default alone; otherwise the profile decides (with
-    ROPE_MAX_EXAMPLES registered into it by conftest.py)."""
+    """The per-property counts of the CI default and of the gpu profile; otherwise, and wherever ROPE_MAX_EXAMPLES
+    is set, the profile's own count (with ROPE_MAX_EXAMPLES registered into it by conftest.py)."""
     for prop in CPU_EXAMPLES:
-        assert examples_for(prop, profile, env) == (want[prop] if want else None), (prop, profile, env)
+        assert examples_for(prop, profile, env) == want.get(prop), (prop, profile, env)
 
 
 def test_rope_max_examples_reaches_a_property():

@@ -21,8 +21,26 @@ from hypothesis import strategies as st
 from . import run, spec
 from .draws import no_local_constants
 from .spec import domains
+from .test_native import PROFILE_EXAMPLES
 
 ZOO_EXAMPLES = 150
+
+
+def catch_budget(prop: str) -> int:
+    """The examples a planted bug gets: ZOO_EXAMPLES on the CPU's small draws (pure PyTorch: a bug that needs a rare
+    combination is still drawn); under the device's draws, the gpu profile's own count for the property
+    (test_native.PROFILE_EXAMPLES), so that a bug the zoo names is shown caught within what a certifying run
+    gives that property."""
+    if spec.small():
+        return ZOO_EXAMPLES
+    kind = prop if prop in PROPERTIES else "invariant"
+    return PROFILE_EXAMPLES["gpu"].get(kind, settings.get_profile("gpu").max_examples)
+
+
+# The correct implementation's examples: on the device's draws (tensors up to tens of MB, the float64 oracle on
+# every one) fewer, since every native property runs rope, a correct target too, over the same plans with the
+# profile's whole count: a false alarm of an oracle or a tolerance shows there as well.
+CORRECT_EXAMPLES_SMALL, CORRECT_EXAMPLES_DEVICE = 60, 20
 ROOT = Path(__file__).resolve().parents[2]
 PROPERTIES = {"forward": run.forward, "backward": run.backward}
 
@@ -72,7 +90,7 @@ CASES = [(name, bug, prop) for name, mod in zoo_modules().items() for bug, (_, p
 @pytest.mark.parametrize("name,bug,prop", CASES, ids=[f"{n}-{b}-{p}" for n, b, p in CASES])
 def test_bug_is_caught(name, bug, prop):
     fn = zoo(name).BUGS[bug][0]
-    failure = falsify(name, prop, fn)
+    failure = falsify(name, prop, fn, max_examples=catch_budget(prop))
     assert failure is not None, f"{name}: the planted bug {bug!r} passed the {prop} property"
     assert isinstance(failure, AssertionError), f"{name}: {bug!r} crashed {prop} instead of failing a check: " \
                                                 f"{type(failure).__name__}: {failure}"
@@ -86,7 +104,8 @@ def test_correct_passes(name, prop):
     conv = spec.load(name)
     if prop == "backward" and not conv.DIFFERENTIABLE:
         pytest.skip(f"{name} has no backward")
-    failure = falsify(name, prop, zoo(name).CORRECT, max_examples=60)
+    examples = CORRECT_EXAMPLES_SMALL if spec.small() else CORRECT_EXAMPLES_DEVICE
+    failure = falsify(name, prop, zoo(name).CORRECT, max_examples=examples)
     assert failure is None, f"{name}: the correct implementation fails {prop}: {failure}"
 
 
@@ -114,12 +133,18 @@ def _first_forward_bug(name):
     return next(bug for bug, (_, props) in zoo(name).BUGS.items() if "forward" in props)
 
 
-def test_through_rope_impl():
+# The conventions in four groups, one process each: pytest-xdist spreads them over its workers (one process for all
+# was the longest test of the GPU suite), and each group starts torch once.
+CLI_GROUPS = [list(zoo_modules())[i::4] for i in range(4)]
+
+
+@pytest.mark.parametrize("names", CLI_GROUPS, ids=[f"group{i}" for i in range(len(CLI_GROUPS))])
+def test_through_rope_impl(names):
     """As a user runs it: `pytest --rope-impl CONVENTION:module:callable` (TE's convention: `module:callable`) fails on
     a planted bug (exit status 1, the forward property failed) and passes the correct implementation (exit status 0),
     in every convention; one process runs each target in a pytest session of its own (cli_check.py)."""
     targets = []
-    for name in zoo_modules():
+    for name in names:
         module = f"{__package__}.zoo.{name.replace('-', '_')}"
         prefix = "" if name == "te" else f"{name}:"  # TE's convention also as plain module:callable
         targets += [f"{prefix}{module}:{_first_forward_bug(name)}", f"{prefix}{module}:{zoo(name).CORRECT.__name__}"]
@@ -134,6 +159,10 @@ def test_through_rope_impl():
         assert got["status"] == 1 and got["failed"] == 1, f"{broken} was not caught: {got}"
         got = results[correct]
         assert got["status"] == 0 and got["passed"] == 1, f"{correct} failed: {got}"
+
+
+def test_cli_groups_cover_every_convention():
+    assert sorted(sum(CLI_GROUPS, [])) == sorted(zoo_modules())
 
 
 # Bugs only a declared class exposes (spec/domains.py): caught with the class drawn, passed with it declared off.
