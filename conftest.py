@@ -228,7 +228,8 @@ class TargetTested:
 # gives the measured times. A pattern is matched against the test's node id.
 _LONGEST_FIRST = ("test_streams.py::test_stress", "test_properties.py::test_matches_float64_reference",
                   "test_native.py::test_backward", "test_native.py::test_forward",
-                  "test_zoo.py::test_through_rope_impl", "test_native.py::test_invariant", "test_zoo.py::test_correct_passes",
+                  "test_zoo.py::test_through_rope_impl", "test_native.py::test_invariant",
+                  "test_zoo.py::test_correct_passes",
                   "test_domains.py::test_every_declared_class_is_drawn", "test_properties.py", "test_native.py")
 
 
