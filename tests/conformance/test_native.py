@@ -36,8 +36,7 @@ CI_PROFILE = "cpu-interp"
 # The gpu profile: forward and backward take the profile's 100; an invariant takes 40. On a device the run is bound
 # by Triton's compiles (most examples are a new specialization), and an invariant calls the target two to four times
 # per example (the call and the calls it is compared with), each over the plans forward draws: 40 examples are 80-160
-# calls, as many as forward's 100. Every planted bug of the zoo that an invariant names is caught within this count
-# under the device's draws (test_zoo.py runs them with the same strategies).
+# calls, as many as forward's 100.
 PROFILE_EXAMPLES = {CI_PROFILE: CPU_EXAMPLES, "gpu": {"invariant": 40}}
 INVARIANTS = [(name, inv) for name in CONVENTIONS for inv in spec.load(name).INVARIANTS]
 
