@@ -168,6 +168,7 @@ CLASS_BUGS = [
     ("hf", "mixed_tables_cast_to_q", "forward", {"mixed_tables": False}),
     ("hf", "empty_returns_flat", "forward", {"empty": False}),
     ("hf", "grad_read_as_contiguous", "backward", {"strided_grads": False, "expanded_grads": False}),
+    ("hf", "grad_channels_read_as_adjacent", "backward", {"strided_grads": False, "expanded_grads": False}),
     ("hf", "k_grad_batch_by_q_heads", "backward", {"gqa": False}),
     ("hf", "k_grad_batch_by_q_heads", "backward", {"cos_batch": False}),
     ("vllm-cache", "block_by_shift", "forward", {"npot_block_size": False}),

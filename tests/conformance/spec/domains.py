@@ -281,9 +281,9 @@ def upstream_classes() -> tuple:
 
 
 def lay_out_upstream(values: torch.Tensor, kind: str) -> torch.Tensor:
-    """An upstream gradient of `values`' shape in layout `kind`: contiguous; strided (a view into a buffer
-    twice as wide in the last dim, with its leading dims reversed in memory); expanded (the first dim of size > 1
-    broadcast from one row, stride 0: the values then repeat along it)."""
+    """An upstream gradient of `values`' shape in layout `kind`: contiguous; strided (every other element of a
+    buffer twice as wide in the last dim, so that no stride is 1, with its leading dims reversed in memory);
+    expanded (the first dim of size > 1 broadcast from one row, stride 0: the values then repeat along it)."""
     if kind == "contiguous" or values.dim() == 0:
         return values.contiguous()
     if kind == "strided":
@@ -292,7 +292,7 @@ def lay_out_upstream(values: torch.Tensor, kind: str) -> torch.Tensor:
         shape = [values.shape[i] for i in order]
         shape[-1] *= 2
         buf = torch.full(shape, float("nan"), dtype=values.dtype, device=values.device)
-        view = buf.permute([order.index(i) for i in range(n)])[..., :values.shape[-1]]
+        view = buf.permute([order.index(i) for i in range(n)])[..., ::2]
         view.copy_(values)
         return view
     dim = next((i for i, n in enumerate(values.shape) if n > 1), None)

@@ -227,6 +227,27 @@ def grad_read_as_contiguous(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return _GradReadAsContiguous.apply(q, cos, sin, out), _GradReadAsContiguous.apply(k, cos, sin, out)
 
 
+class _GradUnitLastStride(_GradReadAsContiguous):
+    """The rotation, whose backward reads the upstream gradient through its own strides but the last taken as 1 (a
+    kernel that keeps the row strides and assumes dense channels): right wherever g's channels are adjacent."""
+
+    @staticmethod
+    def backward(ctx, g):
+        x, cos, sin = ctx.saved_tensors
+        g = torch.as_strided(g, g.shape, (*g.stride()[:-1], 1), g.storage_offset())
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_()
+            (grad,) = torch.autograd.grad(_embed(leaf, cos, sin, ctx.out_dtype), leaf, g)
+        return grad, None, None, None
+
+
+def grad_channels_read_as_adjacent(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """The backward reads the upstream gradients' channels as adjacent (last-dim stride 1), whatever their stride."""
+    out = torch.promote_types(q.dtype, cos.dtype)
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return _GradUnitLastStride.apply(q, cos, sin, out), _GradUnitLastStride.apply(k, cos, sin, out)
+
+
 class _KGradBatchByQHeads(torch.autograd.Function):
     """k's rotation; its backward picks each (sequence, head) row's table by the row's index over q's head count
     (row // hq) instead of k's: with GQA and one table per sequence, k's heads read other sequences' tables."""
@@ -282,5 +303,6 @@ BUGS = {
     "mixed_tables_cast_to_q": (mixed_tables_cast_to_q, ("forward",)),
     "empty_returns_flat": (empty_returns_flat, ("forward",)),
     "grad_read_as_contiguous": (grad_read_as_contiguous, ("backward",)),
+    "grad_channels_read_as_adjacent": (grad_channels_read_as_adjacent, ("backward",)),
     "k_grad_batch_by_q_heads": (k_grad_batch_by_q_heads, ("backward",)),
 }
