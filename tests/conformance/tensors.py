@@ -24,6 +24,9 @@ class Layout(NamedTuple):
     # still contiguous), so an implementation must never let it address anything; one that takes a row stride
     # from it (Liger's decode launcher) rotates the wrong rows.
     unit_stride: int = 0
+    # > 1: the last dim takes every step-th element of its buffer (an index tensor sliced from a wider one, as
+    # `positions = ids[:, 0]` gives): an implementation that reads it from its data pointer as dense reads others.
+    step: int = 1
 
 
 def contiguous(ndim: int) -> Layout:
@@ -31,9 +34,10 @@ def contiguous(ndim: int) -> Layout:
 
 
 @st.composite
-def layouts(draw, ndim: int, padded_dims=None, permute: bool = True) -> Layout:
-    """Contiguous half the time; else leading dims permuted and/or padded (`padded_dims`: which may be). Either
-    way, size-1 dims get a stride no dense layout gives them half the time."""
+def layouts(draw, ndim: int, padded_dims=None, permute: bool = True, spaced: bool = False) -> Layout:
+    """Contiguous half the time; else leading dims permuted and/or padded (`padded_dims`: which may be), and
+    (`spaced`, for arguments whose last dim may have any stride) the last dim every other element half the time.
+    Either way, size-1 dims get a stride no dense layout gives them half the time."""
     if ndim == 0:
         return contiguous(ndim)
     unit = draw(st.sampled_from((0, 5)))
@@ -43,7 +47,7 @@ def layouts(draw, ndim: int, padded_dims=None, permute: bool = True) -> Layout:
     order = tuple(draw(st.permutations(lead))) + (ndim - 1,) if permute else tuple(range(ndim))
     dims = range(ndim) if padded_dims is None else padded_dims
     pad = tuple(draw(st.sampled_from((0, 0, 1, 3))) if i in dims else 0 for i in range(ndim))
-    return Layout(order, pad, unit)
+    return Layout(order, pad, unit, draw(st.sampled_from((1, 2))) if spaced else 1)
 
 
 class Arena:
@@ -58,12 +62,16 @@ class Arena:
         """`values` (on the CPU) as a view with `layout` into a new buffer on the device, `fill` around it."""
         layout = layout or contiguous(values.dim())
         shape = [n + p for n, p in zip(values.shape, layout.pad, strict=True)]
+        if values.dim():
+            shape[-1] = layout.step * values.shape[-1] + layout.pad[-1]
         buffer = torch.full([shape[i] for i in layout.order], fill, dtype=values.dtype) if values.is_floating_point() \
             else torch.zeros([shape[i] for i in layout.order], dtype=values.dtype)
         buffer = buffer.to(self.device)
         inverse = [layout.order.index(i) for i in range(values.dim())]
         full = buffer.permute(inverse)
-        view = full[tuple(slice(p // 2, p // 2 + n) for n, p in zip(values.shape, layout.pad, strict=True))]
+        view = full[tuple(slice(p // 2, p // 2 + n) for n, p in zip(values.shape, layout.pad, strict=True))[:-1]
+                    + (slice(layout.pad[-1] // 2, layout.pad[-1] // 2 + layout.step * values.shape[-1],
+                             layout.step),)] if values.dim() else full
         view.copy_(values.to(self.device))
         if layout.unit_stride and 1 in view.shape:
             strides = [layout.unit_stride if n == 1 else st_ for n, st_ in zip(view.shape, view.stride(), strict=True)]
