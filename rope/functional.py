@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._backend import Rotation, TracedCall, apply, apply_traced, checked_call, on_kernel_device
+from ._backend import Call, Rotation, apply, checked_call, convention, dispatch, on_kernel_device
 from ._checks import (
     check_bools,
     check_disjoint,
@@ -66,8 +66,8 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
         check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
                      allow_float64=False)
         # freqs detached: the angles get no gradient, as in the eager kernel's call
-        out = apply_traced(t, TracedCall(freqs.detach(), start_positions, cu_seqlens, tensor_format, interleaved,
-                                         cp_size, cp_rank))
+        out = dispatch(TE, (t,), (freqs.detach(), start_positions, cu_seqlens),
+                       (tensor_format, interleaved, cp_size, cp_rank))[0]
         return t.copy_(out) if inplace else out
     call = checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
     angles, token_index, pos_table = _read(call, freqs, cache, start_positions, cu_seqlens)
@@ -78,6 +78,28 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
                               "dirty" if inplace else None, t)[0]
     # The eager no-grad call, the hot path: straight to the launcher, no record built.
     return rotate(call, t, angles, start_positions, token_index, False, inplace, pos_table)
+
+
+def _call(ts, reads, flags) -> Call:
+    """TransformerEngine's checked signature: the same memo entry as `checked_call`'s (one key for both)."""
+    freqs, start_positions, cu_seqlens = reads
+    tensor_format, interleaved, cp_size, cp_rank = flags
+    return checked_call(ts[0], freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
+
+
+def _reads(call, reads, flags) -> tuple:
+    freqs, start_positions, cu_seqlens = reads
+    return (angles_for(call, freqs), start_positions, *token_index_for(call, cu_seqlens))
+
+
+def _reference(ts, reads, flags, backward) -> tuple:
+    freqs, start_positions, cu_seqlens = reads
+    tensor_format, interleaved, cp_size, cp_rank = flags
+    return (reference.checked_apply(ts[0], freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
+                                    cp_rank, False),)
+
+
+TE = convention("te", _call, _reads, _reference)
 
 
 def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,

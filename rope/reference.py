@@ -123,11 +123,19 @@ def apply_multimodal_rotary_pos_emb(t, freqs, positions, mrope_section, tensor_f
                                     mrope_interleaved=False):
     """Reference of `rope.mrope.apply_multimodal_rotary_pos_emb` (the caller checks the arguments):
     positions [3, *lead] or [*lead] (lead: t's token dims), `freqs` [s2, 1, 1, d2] or a `rope.RoPECache`."""
-    cache = freqs if hasattr(freqs, "as_freqs") else None
+    if hasattr(freqs, "as_freqs"):
+        return multimodal_rotate(t, freqs.as_freqs, freqs.cos, freqs.sin, positions, mrope_section, interleaved,
+                                 mrope_interleaved)
+    return multimodal_rotate(t, freqs, None, None, positions, mrope_section, interleaved, mrope_interleaved)
+
+
+def multimodal_rotate(t, freqs, cos, sin, positions, mrope_section, interleaved, mrope_interleaved):
+    """`apply_multimodal_rotary_pos_emb` with the angles as freqs [s2, 1, 1, d2], or, where cos is given, the
+    tables cos, sin [s2, d2] (a `rope.RoPECache`'s)."""
     lead = t.shape[:-2]
     pos = positions.long().expand(3, *lead)
-    if cache is not None:
-        cos, sin = rows_at(cache.cos, pos), rows_at(cache.sin, pos)
+    if cos is not None:
+        cos, sin = rows_at(cos, pos), rows_at(sin, pos)
     else:
         f = rows_at(angles_as_read(freqs[:, 0, 0, :], t.dtype), pos)
         cos, sin = torch.cos(f), torch.sin(f)

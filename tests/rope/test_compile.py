@@ -43,8 +43,8 @@ def test_opcheck(case, backward):
         "start_positions", None) else None
     cu = case.pop("cu_seqlens", None)
     cu = torch.tensor(cu, dtype=torch.int32, device=DEVICE) if cu is not None else None
-    args = (t, freqs, start, cu, fmt, case.get("interleaved", False), case.get("cp_size", 1),
-            case.get("cp_rank", 0), backward)
+    args = ("te", [t], [freqs, start, cu], repr((fmt, case.get("interleaved", False), case.get("cp_size", 1),
+                                                 case.get("cp_rank", 0))), backward)
     torch.library.opcheck(torch.ops.rope.rotate.default, args)
 
 
