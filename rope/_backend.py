@@ -341,8 +341,10 @@ def _kernel(conv, ts, reads, flags, backward, inplace) -> tuple:
         angles, start, index, pos_table, norm, eps = conv.reads(call, reads, flags)
         if backward:
             gq, gk, q, k, wq, wk = ts
-            return _launch.norm_rotate_qk_backward(call, gq, gk, q, k, (wq, wk), norm, eps, angles, start, index,
-                                                   pos_table)
+            gq, gk, gwq, gwk = _launch.norm_rotate_qk_backward(call, gq, gk, q, k, (wq, wk), norm, eps, angles, start,
+                                                               index, pos_table)
+            # a custom op's outputs may not alias one another: the weights' gradients are rows of one sum
+            return gq, gk, gwq.clone(), gwk.clone()
         return _launch.norm_rotate_qk(call, ts[0], ts[1], ts[2:4], norm, eps, angles, start, index, pos_table,
                                       inplace)
     call = call_of(conv, ts, reads, flags)
