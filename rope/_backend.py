@@ -77,6 +77,8 @@ def checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
         call = _CALLS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
         key, call = None, None
+    except RuntimeError:  # a functorch-wrapped tensor has no data pointer: checked, not memoised
+        key, call = None, None
     if call is None:
         layout = check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
                               allow_float64=False, name=name, freqs_name=freqs_name)
@@ -277,29 +279,34 @@ def signature(name, tensors, flags) -> tuple:
 
 def call_of(conv: Convention, ts, reads, flags) -> Call:
     """The memoised `Call` of this signature; `conv.call` builds it on first sight."""
-    key = signature(conv.name, ts + reads, flags)
+    try:
+        key = signature(conv.name, ts + reads, flags)
+    except RuntimeError:  # a functorch-wrapped tensor has no data pointer: autograd's Function refuses it later
+        return conv.call(ts, reads, flags)
     call = _CALLS.get(key)
     if call is None:
         call = _CALLS.put(key, conv.call(ts, reads, flags))
     return call
 
 
-def dispatch(conv: Convention, ts: tuple, reads: tuple = (), flags: tuple = (), *, inplace=False, fits=True) -> tuple:
+def dispatch(conv: Convention, ts: tuple, reads: tuple = (), flags: tuple = (), *, inplace=False, fits=True,
+             call=None) -> tuple:
     """ts rotated as convention `conv` says, after the front end's checks: the one place that decides between the
     kernel, the reference and the trace. The reference computes where the kernel does not run (`on_kernel_device`)
     or where the front end says the kernel cannot give the convention's result (`fits` False: a wider result dtype,
     or TransformerEngine's fused=False); traced code (`torch.compile`) records the custom op; else the kernel runs.
-    `inplace`: ts are written and returned. Returns the rotated tensors (q and k for a `norm` convention)."""
+    `inplace`: ts are written and returned. `call`: the signature's `Call` where the front end's checks found it
+    already (the memo is then not asked twice). Returns the rotated tensors (q and k for a `norm` convention)."""
     if not (fits and on_kernel_device(ts[0])):
         return _by_reference(conv, ts, reads, flags, inplace)
     if torch.compiler.is_compiling():
         return _traced(conv, ts, reads, flags, inplace)
     if conv.norm:
-        call = call_of(conv, ts[:2], reads, flags)
+        call = call or call_of(conv, ts[:2], reads, flags)
         angles, start, index, pos_table, norm, eps = conv.reads(call, reads, flags)
         return norm_rotate(*ts, call, angles, norm=norm, eps=eps, start_positions=start, token_index=index,
                            pos_table=pos_table, inplace=inplace)
-    call = call_of(conv, ts, reads, flags)
+    call = call or call_of(conv, ts, reads, flags)
     angles, start, index, pos_table = conv.reads(call, reads, flags)
     return apply(ts, call, angles, start_positions=start, token_index=index, pos_table=pos_table, inplace=inplace)
 
@@ -319,6 +326,8 @@ def _by_reference(conv, ts, reads, flags, inplace) -> tuple:
 def _traced(conv, ts, reads, flags, inplace) -> tuple:
     """Traced code: the kernel as the custom op, differentiable through `Rotation` (`NormRotation`) where autograd
     records; in place, the mutating op, or, where autograd records, the op and a copy into ts."""
+    # the angles and positions get no gradient (as in TransformerEngine's fused path)
+    reads = tuple(None if r is None else r.detach() for r in reads)
     state = Traced(conv.name, reads, repr(flags))
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         if conv.norm:

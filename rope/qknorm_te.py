@@ -4,8 +4,6 @@ angles `freqs` [s2, 1, 1, rot] or a `rope.RoPECache`; per head y = RoPE(RMSNorm(
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from . import reference
 from ._backend import Call, checked_call, convention, dispatch
 from ._checks import check_freqs_call
@@ -54,16 +52,9 @@ def _reference(ts, reads, flags, backward) -> tuple:
     if cos is None:
         cos, sin = reference.token_tables(freqs, None, pos, tensor_format)
     else:
-        cos, sin = reference.token_tables(None, _Tables(cos, sin), pos, tensor_format)
+        cos, sin = reference.token_tables(None, reference.Tables(cos, sin), pos, tensor_format)
     return tuple(reference_norm_rope(x, w, eps, gemma, cos, sin, interleaved).contiguous()
                  for x, w in ((q, q_weight), (k, k_weight)))
-
-
-class _Tables(NamedTuple):
-    """A `RoPECache`'s tables, as `reference.token_tables` reads them."""
-
-    cos: object
-    sin: object
 
 
 QKNORM_TE = convention("qknorm-te", _call, _reads, _reference, norm=True)

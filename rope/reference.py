@@ -8,6 +8,8 @@ arithmetic runs in float32 (float64 for float64 inputs), and the result is round
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ._checks import check_positions, check_static
@@ -169,6 +171,13 @@ def angles_as_read(freqs: torch.Tensor, t_dtype: torch.dtype) -> torch.Tensor:
     """`freqs` as every path reads them (docs/contract.md section 2): float32, whatever their dtype, so that the
     kernel and this path give one verdict; float64 only for a float64 `t`, the oracle's own mode."""
     return freqs.to(torch.float64 if t_dtype == torch.float64 else torch.float32)
+
+
+class Tables(NamedTuple):
+    """cos and sin tables [s2, d2] as `token_tables` reads a `rope.RoPECache`'s."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 def token_tables(freqs, cache, pos, tensor_format, t_dtype=torch.float32):

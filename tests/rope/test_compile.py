@@ -311,8 +311,20 @@ def _qknorm(form):
     return fused, [_rand(5, 4 * 8), wq, wk]
 
 
-def _te(qk):
+def _te(qk, form="freqs"):
     freqs = (torch.rand(9, 1, 1, 8, generator=_g(5)) * 6).to(DEVICE)
+    if form == "cache":
+        cache = rope.RoPECache.from_freqs(freqs)
+        return lambda t: rope.apply_rotary_pos_emb(t, cache), [_rand(5, 1, 2, 8)]
+    if form == "qkv":
+        return (lambda qkv: rope.apply_fused_qkv_rotary_pos_emb(qkv, freqs[..., :4], freqs[..., :4], [4, 4, 4]),
+                [_rand(5, 1, 2, 12)])
+    if form == "inplace":
+        def f(q, k):
+            q, k = q * 1.0, k * 1.0
+            return rope.apply_rotary_pos_emb_qk(q, k, freqs, start_positions=start, inplace=True)
+        start = torch.tensor([2], device=DEVICE)
+        return f, [_rand(5, 1, 2, 8), _rand(5, 1, 1, 8, seed=1)]
     if qk:
         return (lambda q, k: rope.apply_rotary_pos_emb_qk(q, k, freqs), [_rand(5, 1, 2, 8), _rand(5, 1, 1, 8, seed=1)])
     return lambda t: rope.apply_rotary_pos_emb(t, freqs), [_rand(5, 1, 2, 8)]
@@ -344,6 +356,9 @@ CONVENTIONS = {
     "qknorm-vllm-inplace": (lambda: _qknorm("fused"), False),
     "te": (lambda: _te(False), True),
     "te-qk": (lambda: _te(True), True),
+    "te-cache": (lambda: _te(False, "cache"), True),
+    "te-qkv": (lambda: _te(False, "qkv"), True),
+    "te-qk-inplace": (lambda: _te(True, "inplace"), True),
 }
 
 
