@@ -265,15 +265,16 @@ def convention(name, call, reads, reference, norm=False) -> Convention:
 
 
 def signature(name, tensors, flags) -> tuple:
-    """The call memo's key, derived from what Triton specializes on and what a plan depends on: for each tensor its
-    shape, strides, dtype, device and 16-byte alignment (None stays None), for each flag its type and value (True
-    and 1 hash alike), and the convention's name."""
-    key = [name]
+    """The call memo's key, derived from what Triton specializes on and what a plan depends on: the convention's
+    name; its flags with the type of each (True and 1 hash alike); for each tensor its shape, strides, dtype, device
+    and 16-byte alignment, in line (None stays one None: a convention's tensors come in a fixed order). One tuple
+    build: the hot path's cost is this and a dict lookup."""
+    key = [name, flags, tuple(map(type, flags))]
     for x in tensors:
-        key.append(None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16))
-    for v in flags:
-        key.append(v.__class__)
-        key.append(v)
+        if x is None:
+            key.append(None)
+        else:
+            key += (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
     return tuple(key)
 
 

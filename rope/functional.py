@@ -72,18 +72,19 @@ def _arguments(freqs, start_positions, cu_seqlens, tensor_format, interleaved, c
 def _checked(ts, names, reads, flags, fused) -> Call:
     """Each of ts checked against the angles (named as the caller names it), then the values of the index tensors;
     returns the first one's checked signature (float64 t is accepted only with fused=False, the PyTorch path)."""
-    freqs, start_positions, cu_seqlens = reads[:3]
+    freqs, start_positions, cu_seqlens = reads[0], reads[1], reads[2]
     tensor_format, interleaved, cp_size, cp_rank = flags
     if fused:
-        call = None
-        for x, name in zip(ts, names, strict=True):
-            c = checked_call(x, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, name)
-            call = call or c
+        call = checked_call(ts[0], freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                            names[0])
+        if len(ts) > 1:
+            checked_call(ts[1], freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                         names[1])
         layout = call.layout
     else:
+        call = None
         layout = check_static(ts[0], freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
                               allow_float64=True)
-        call = None
     if start_positions is not None or cu_seqlens is not None:
         check_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     return call

@@ -73,7 +73,7 @@ def test_signature_lists_what_triton_specializes_on():
     and 1 differ); None stays None."""
     x = torch.zeros(2, 3)
     assert backend.signature("c", (x, None), (True, 1, "sbhd")) == (
-        "c", (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16), None, bool, True, int, 1, str, "sbhd")
+        "c", (True, 1, "sbhd"), (bool, int, str), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, None)
     assert backend.signature("c", (), (True,)) != backend.signature("c", (), (1,))
 
 
