@@ -1,14 +1,17 @@
-"""The back end below every convention: the call memo of checked signatures, kernel or reference decided by one
-rule (`kernel_runs`), the autograd nodes around the launcher (`rope._launch`) and the custom op that traced code
-(`torch.compile`) records in place of the launch.
+"""The back end below every convention: the registry of conventions, the one decision between kernel, reference and
+trace (`dispatch`, by `on_kernel_device`), the call memo of checked signatures with its derived keys (`signature`),
+the autograd nodes around the launcher (`rope._launch`) and the custom ops that traced code (`torch.compile`) records
+in place of the launch.
 
-A convention checks its arguments (`rope._checks`), finds its `Call` by `checked_call` or `call_for` and says in a
-`rope._request.Request` what the kernel reads (angles, positions); `apply` rotates t, or q and k in one launch, with
-a backward where autograd needs one; `norm_rotate` does the same for QK norm fused with RoPE.
+A convention checks its arguments (`rope._checks`) and hands `dispatch` its `Convention` (how its `Call` is made,
+what the kernel reads, its PyTorch reference), the rotated tensors, the tensors read beside them and its flags.
+`apply` rotates t, or q and k in one launch, with a backward where autograd needs one; `norm_rotate` does the same for
+QK norm fused with RoPE.
 
-`torch.ops.rope.rotate` is opaque, with a fake implementation (a new contiguous tensor). Its autograd is `Rotation`,
-the node of every rotation, which traced code records around it (`apply_traced`): the backward is the same op in the
-other direction. Eager calls skip the op: the dispatcher would add its cost to every call.
+`torch.ops.rope.rotate` (and `rotate_`, in place) is opaque, with a fake implementation (new contiguous tensors), and
+takes the convention's name, so every convention traces as the same op. Its autograd is `Rotation`, the node of every
+rotation, which traced code records around it: the backward is the same op in the other direction. Eager calls skip
+the op: the dispatcher would add its cost to every call.
 """
 from __future__ import annotations
 
