@@ -44,9 +44,19 @@ def test_opcheck(case, backward):
         "start_positions", None) else None
     cu = case.pop("cu_seqlens", None)
     cu = torch.tensor(cu, dtype=torch.int32, device=DEVICE) if cu is not None else None
-    args = ("te", [t], [freqs, start, cu], repr((fmt, case.get("interleaved", False), case.get("cp_size", 1),
-                                                 case.get("cp_rank", 0))), backward)
+    flags = (fmt, case.get("interleaved", False), case.get("cp_size", 1), case.get("cp_rank", 0))
+    args = ("te", [t], [freqs, start, cu, None, None], repr(flags), backward)
     torch.library.opcheck(torch.ops.rope.rotate.default, args)
+
+
+def test_opcheck_inplace():
+    """The in-place op (vLLM's rotary_embedding: q and k written at positions of its cos/sin cache)."""
+    gen = torch.Generator().manual_seed(2)
+    ang = torch.rand(9, 4, generator=gen) * 6
+    q, k = torch.randn(5, 2, 8, generator=gen).to(DEVICE), torch.randn(5, 1, 8, generator=gen).to(DEVICE)
+    positions = torch.randint(0, 9, (5,), generator=gen).to(DEVICE)
+    args = ("vllm", [q, k], [ang.cos().to(DEVICE), ang.sin().to(DEVICE), positions], repr((False, (0, 0, 0, 0))))
+    torch.library.opcheck(torch.ops.rope.rotate_.default, args)
 
 
 def _layer(x, freqs, cu_seqlens=None, tensor_format="sbhd", interleaved=False):
