@@ -1,17 +1,22 @@
-"""The back end below every convention: the call memo of checked signatures, kernel or reference decided by one
-rule (`kernel_runs`), the autograd nodes around the launcher (`rope._launch`) and the custom op that traced code
-(`torch.compile`) records in place of the launch.
+"""The back end below every convention: the registry of conventions, the one decision between kernel, reference and
+trace (`dispatch`, by `on_kernel_device`), the call memo of checked signatures with its derived keys (`signature`),
+the autograd nodes around the launcher (`rope._launch`) and the custom ops that traced code (`torch.compile`) records
+in place of the launch.
 
-A convention checks its arguments (`rope._checks`), finds its `Call` by `checked_call` or `call_for` and says in a
-`rope._request.Request` what the kernel reads (angles, positions); `apply` rotates t, or q and k in one launch, with
-a backward where autograd needs one; `norm_rotate` does the same for QK norm fused with RoPE.
+A convention checks its arguments (`rope._checks`) and hands `dispatch` its `Convention` (how its `Call` is made,
+what the kernel reads, its PyTorch reference), the rotated tensors, the tensors read beside them and its flags.
+`apply` rotates t, or q and k in one launch, with a backward where autograd needs one; `norm_rotate` does the same for
+QK norm fused with RoPE.
 
-`torch.ops.rope.rotate` is opaque, with a fake implementation (a new contiguous tensor). Its autograd is `Rotation`,
-the node of every rotation, which traced code records around it (`apply_traced`): the backward is the same op in the
-other direction. Eager calls skip the op: the dispatcher would add its cost to every call.
+`torch.ops.rope.rotate` (and `rotate_`, in place) is opaque, with a fake implementation (new contiguous tensors), and
+takes the convention's name, so every convention traces as the same op. Its autograd is `Rotation`, the node of every
+rotation, which traced code records around it: the backward is the same op in the other direction. Eager calls skip
+the op: the dispatcher would add its cost to every call.
 """
 from __future__ import annotations
 
+import ast
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 import torch
@@ -67,19 +72,15 @@ _OTHERS_MAX = 16
 _CALLS = _memo.memo("checked signatures and their launch plans", 4096)
 
 
-def _index_key(x):
-    return None if x is None else (x.shape, x.dtype, x.device, x.data_ptr() % 16)
-
-
 def checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
                  name="t", freqs_name="freqs") -> Call:
     """The call for this signature: checked (`check_static`) on first sight, then found in a dict."""
     try:
-        key = (t.shape, t.stride(), t.dtype, t.device, freqs.shape, freqs.dtype, freqs.device, tensor_format,
-               interleaved.__class__, interleaved, _index_key(start_positions), _index_key(cu_seqlens),
-               cp_size.__class__, cp_size, cp_rank.__class__, cp_rank)
+        key = signature("te", (t, freqs, start_positions, cu_seqlens), (tensor_format, interleaved, cp_size, cp_rank))
         call = _CALLS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
+        key, call = None, None
+    except RuntimeError:  # a functorch-wrapped tensor has no data pointer: checked, not memoised
         key, call = None, None
     if call is None:
         layout = check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
@@ -90,32 +91,20 @@ def checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
     return call
 
 
-def call_for(key, make) -> Call:
-    """The memoised `Call` of another convention's signature `key`; `make()` checks and builds it."""
-    call = _CALLS.get(key)
-    if call is None:
-        call = _CALLS.put(key, make())
-    return call
+class Traced(NamedTuple):
+    """A rotation as traced code runs it: the custom op's arguments beside the rotated tensors (the launch is an
+    opaque custom op there; the front end's checks become guards)."""
 
-
-class TracedCall(NamedTuple):
-    """A TransformerEngine call as traced code runs it: `rotate_op`'s arguments after x (the launch is an
-    opaque custom op there; its checks become guards)."""
-
-    freqs: torch.Tensor
-    start_positions: Optional[torch.Tensor]
-    cu_seqlens: Optional[torch.Tensor]
-    tensor_format: str
-    interleaved: bool
-    cp_size: int
-    cp_rank: int
+    convention: str
+    reads: tuple
+    flags: str  # the convention's flags as `repr` writes them (a custom op's schema has no tuple of any type)
 
 
 def _rotate(state, ts, backward):
-    """ts (t, or q and k) or their gradients rotated as `state` says: a `Request`, a `TracedCall`, or a function
+    """ts (t, or q and k) or their gradients rotated as `state` says: a `Request`, a `Traced`, or a function
     (t, backward) -> rotated t (a convention's reference, for the leaf written in place). Returns a tuple."""
-    if isinstance(state, TracedCall):
-        return (rotate_op(ts[0], *state, backward),)
+    if isinstance(state, Traced):
+        return tuple(rotate_op(state.convention, list(ts), list(state.reads), state.flags, backward))
     if callable(state):
         return (state(ts[0], backward),)
     inplace = state.inplace and not backward
@@ -167,13 +156,6 @@ def leaf_written(x, inplace) -> bool:
     return inplace and torch.is_grad_enabled() and x.requires_grad and x.is_leaf
 
 
-def apply_traced(t, traced: TracedCall):
-    """t rotated by the custom op in traced code, differentiable through `Rotation` where autograd records."""
-    if torch.is_grad_enabled() and t.requires_grad:
-        return Rotation.apply(traced, None, t)[0]
-    return rotate_op(t, *traced, False)
-
-
 def apply(ts, call, angles, *, start_positions=None, token_index=None, pos_table=False, inplace=False):
     """ts (a tuple: t, or q and k) rotated: `Request`'s fields by name. Differentiable in ts where autograd records,
     which keeps them as a `Request`; the no-grad call builds none (the hot path: straight to the launcher)."""
@@ -205,38 +187,28 @@ def kernel_runs(x) -> bool:
     return isinstance(x, torch.Tensor) and on_kernel_device(x) and not torch.compiler.is_compiling()
 
 
-OP_NAME = "rope::rotate"
-
-
-@torch.library.custom_op(OP_NAME, mutates_args=())
-def rotate_op(x: torch.Tensor, freqs: torch.Tensor, start_positions: Optional[torch.Tensor],
-           cu_seqlens: Optional[torch.Tensor], tensor_format: str, interleaved: bool, cp_size: int,
-           cp_rank: int, backward: bool) -> torch.Tensor:
-    call = checked_call(x, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
-    token_index, pos_table = _launch.token_index_for(call, cu_seqlens)
-    angles = _launch.angles_for(call, freqs)
-    return _launch.rotate(call, x, angles, start_positions, token_index, backward, False, pos_table)
-
-
-@rotate_op.register_fake
-def _(x, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank, backward):
-    return x.new_empty(x.shape)  # a new contiguous tensor of x's shape and dtype, as the kernel writes
-
-
 class NormRotation(torch.autograd.Function):
-    """Autograd of the fused op: the backward recomputes r from q and k (saved as given), docs/design.md."""
+    """Autograd of the fused op: the backward recomputes r from q and k (saved as given), docs/design.md. `state`: a
+    `Request`, or a `Traced` call, whose backward is the custom op in the other direction (with q, k and the
+    weights it reads)."""
 
     @staticmethod
-    def forward(ctx, request, q, k, q_weight, k_weight):
-        ctx.request = request
+    def forward(ctx, state, q, k, q_weight, k_weight):
+        ctx.state = state
         ctx.save_for_backward(q, k, q_weight, k_weight)
-        return _launch.norm_rotate_qk(request.call, q, k, (q_weight, k_weight), request.norm, request.eps,
-                                      request.angles, request.start_positions, request.token_index, request.pos_table)
+        if isinstance(state, Traced):
+            return tuple(rotate_op(state.convention, [q, k, q_weight, k_weight], list(state.reads), state.flags,
+                                   False))
+        return _launch.norm_rotate_qk(state.call, q, k, (q_weight, k_weight), state.norm, state.eps, state.angles,
+                                      state.start_positions, state.token_index, state.pos_table)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        r = ctx.request
+        r = ctx.state
         q, k, q_weight, k_weight = ctx.saved_tensors
+        if isinstance(r, Traced):
+            return None, *rotate_op(r.convention, [grad_q, grad_k, q, k, q_weight, k_weight], list(r.reads), r.flags,
+                                    True)
         return None, *_launch.norm_rotate_qk_backward(r.call, grad_q, grad_k, q, k, (q_weight, k_weight), r.norm,
                                                       r.eps, r.angles, r.start_positions, r.token_index, r.pos_table)
 
@@ -263,3 +235,172 @@ def rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin
         return
     reference.rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, interleaved, fp8, k_scale,
                                v_scale)
+
+
+# Conventions: what each front end registers, and the one decision between kernel, reference and trace.
+
+
+class Convention(NamedTuple):
+    """A convention's side of the back end, registered by name (the custom op finds it from its arguments).
+
+    Every function takes what the front end hands `dispatch`: `ts`, the rotated tensors in the kernel's roles (for a
+    `norm` convention q, k and their weights); `reads`, the other tensors (tables, positions; None where absent);
+    `flags`, the convention's scalars (literals only, no sizes: sizes come from the tensors, which Dynamo guards).
+    - `call(ts, reads, flags) -> Call`: the checked signature's layout and flags, on the memo's first sight.
+    - `reads(call, reads, flags)`: what the kernel reads, (angles, start_positions, token_index, pos_table), and for
+      a `norm` convention (norm, eps) after them.
+    - `reference(ts, reads, flags, backward) -> tuple`: the convention's PyTorch computation, new tensors (backward:
+      the inverse rotation, for a leaf written in place; conventions without one ignore it)."""
+
+    name: str
+    call: Callable
+    reads: Callable
+    reference: Callable
+    norm: bool = False
+
+
+CONVENTIONS: dict = {}
+
+
+def convention(name, call, reads, reference, norm=False) -> Convention:
+    conv = CONVENTIONS[name] = Convention(name, call, reads, reference, norm)
+    return conv
+
+
+def signature(name, tensors, flags) -> tuple:
+    """The call memo's key, derived from what Triton specializes on and what a plan depends on: the convention's
+    name; its flags with the type of each (True and 1 hash alike); for each tensor its shape, strides, dtype, device
+    and 16-byte alignment, in line (None stays one None: a convention's tensors come in a fixed order). One tuple
+    build: the hot path's cost is this and a dict lookup."""
+    key = [name, flags, tuple(map(type, flags))]
+    for x in tensors:
+        if x is None:
+            key.append(None)
+        else:
+            key += (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
+    return tuple(key)
+
+
+def call_of(conv: Convention, ts, reads, flags) -> Call:
+    """The memoised `Call` of this signature; `conv.call` builds it on first sight."""
+    try:
+        key = signature(conv.name, ts + reads, flags)
+    except RuntimeError:  # a functorch-wrapped tensor has no data pointer: autograd's Function refuses it later
+        return conv.call(ts, reads, flags)
+    call = _CALLS.get(key)
+    if call is None:
+        call = _CALLS.put(key, conv.call(ts, reads, flags))
+    return call
+
+
+def dispatch(conv: Convention, ts: tuple, reads: tuple = (), flags: tuple = (), *, inplace=False, fits=True,
+             call=None) -> tuple:
+    """ts rotated as convention `conv` says, after the front end's checks: the one place that decides between the
+    kernel, the reference and the trace. The reference computes where the kernel does not run (`on_kernel_device`)
+    or where the front end says the kernel cannot give the convention's result (`fits` False: a wider result dtype,
+    or TransformerEngine's fused=False); traced code (`torch.compile`) records the custom op; else the kernel runs.
+    `inplace`: ts are written and returned. `call`: the signature's `Call` where the front end's checks found it
+    already (the memo is then not asked twice). Returns the rotated tensors (q and k for a `norm` convention)."""
+    if not (fits and on_kernel_device(ts[0])):
+        return _by_reference(conv, ts, reads, flags, inplace)
+    if torch.compiler.is_compiling():
+        return _traced(conv, ts, reads, flags, inplace)
+    if conv.norm:
+        call = call or call_of(conv, ts[:2], reads, flags)
+        angles, start, index, pos_table, norm, eps = conv.reads(call, reads, flags)
+        return norm_rotate(*ts, call, angles, norm=norm, eps=eps, start_positions=start, token_index=index,
+                           pos_table=pos_table, inplace=inplace)
+    call = call or call_of(conv, ts, reads, flags)
+    angles, start, index, pos_table = conv.reads(call, reads, flags)
+    return apply(ts, call, angles, start_positions=start, token_index=index, pos_table=pos_table, inplace=inplace)
+
+
+def _by_reference(conv, ts, reads, flags, inplace) -> tuple:
+    if inplace and len(ts) == 1 and leaf_written(ts[0], True):
+        def rotate_leaf(t, backward):  # backward: the inverse rotation into a new tensor
+            out = conv.reference((t,), reads, flags, backward)[0]
+            return out if backward else t.copy_(out)
+        return (write_leaf(ts[0], rotate_leaf),)
+    outs = conv.reference(ts, reads, flags, False)
+    if inplace:
+        return tuple(x.copy_(o) for x, o in zip(ts[:len(outs)], outs, strict=True))
+    return outs
+
+
+def _traced(conv, ts, reads, flags, inplace) -> tuple:
+    """Traced code: the kernel as the custom op, differentiable through `Rotation` (`NormRotation`) where autograd
+    records; in place, the mutating op, or, where autograd records, the op and a copy into ts."""
+    # the angles and positions get no gradient (as in TransformerEngine's fused path)
+    reads = tuple(None if r is None else r.detach() for r in reads)
+    state = Traced(conv.name, reads, repr(flags))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        if conv.norm:
+            if not inplace:  # in place (vLLM's op) records no graph, as eagerly
+                return NormRotation.apply(state, *ts)
+        else:
+            outs = Rotation.apply(state, None, *ts)
+            return tuple(x.copy_(o) for x, o in zip(ts, outs, strict=True)) if inplace else outs
+    if inplace:
+        rotate_op_(conv.name, list(ts), list(reads), state.flags)
+        return ts[:2] if conv.norm else ts
+    return tuple(rotate_op(conv.name, list(ts), list(reads), state.flags, False))
+
+
+def _kernel(conv, ts, reads, flags, backward, inplace) -> tuple:
+    """The custom op's body: the launch of `dispatch`'s kernel path, without autograd (the op is recorded inside
+    `Rotation`). A `norm` convention's backward takes (grad_q, grad_k, q, k, q_weight, k_weight)."""
+    if conv.norm:
+        call = call_of(conv, ts[:2], reads, flags)
+        angles, start, index, pos_table, norm, eps = conv.reads(call, reads, flags)
+        if backward:
+            gq, gk, q, k, wq, wk = ts
+            gq, gk, gwq, gwk = _launch.norm_rotate_qk_backward(call, gq, gk, q, k, (wq, wk), norm, eps, angles, start,
+                                                               index, pos_table)
+            # a custom op's outputs may not alias one another: the weights' gradients are rows of one sum
+            return gq, gk, gwq.clone(), gwk.clone()
+        return _launch.norm_rotate_qk(call, ts[0], ts[1], ts[2:4], norm, eps, angles, start, index, pos_table,
+                                      inplace)
+    call = call_of(conv, ts, reads, flags)
+    angles, start, index, pos_table = conv.reads(call, reads, flags)
+    if len(ts) == 1:
+        return (rotate(call, ts[0], angles, start, index, backward, inplace, pos_table),)
+    return rotate_qk(call, *ts, angles, start, index, backward, inplace, pos_table)
+
+
+# a traced call's flags as literals: parsed once per distinct string
+_FLAGS = _memo.memo("flags of traced calls", 1024)
+
+
+def _flags(text: str) -> tuple:
+    flags = _FLAGS.get(text)
+    if flags is None:
+        flags = _FLAGS.put(text, ast.literal_eval(text))
+    return flags
+
+
+OP_NAME = "rope::rotate"
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def rotate_op(convention: str, ts: list[torch.Tensor], reads: list[Optional[torch.Tensor]], flags: str,
+              backward: bool) -> list[torch.Tensor]:
+    return list(_kernel(CONVENTIONS[convention], tuple(ts), tuple(reads), _flags(flags), backward, False))
+
+
+@rotate_op.register_fake
+def _(convention, ts, reads, flags, backward):
+    # new contiguous tensors of the rotated tensors' shapes and dtypes, as the kernel writes; a norm convention's
+    # backward also gives the weights' gradients
+    if CONVENTIONS[convention].norm:
+        return [ts[i].new_empty(ts[i].shape) for i in ((0, 1, 4, 5) if backward else (0, 1))]
+    return [t.new_empty(t.shape) for t in ts]
+
+
+@torch.library.custom_op(OP_NAME + "_", mutates_args=("ts",))
+def rotate_op_(convention: str, ts: list[torch.Tensor], reads: list[Optional[torch.Tensor]], flags: str) -> None:
+    _kernel(CONVENTIONS[convention], tuple(ts), tuple(reads), _flags(flags), False, True)
+
+
+@rotate_op_.register_fake
+def _(convention, ts, reads, flags):
+    return None

@@ -129,8 +129,8 @@ def check_inplace(name: str, x: torch.Tensor, leaf_written: bool = False) -> Non
     `leaf_written`: the convention writes a leaf that requires grad as flash-attention does (`rope._backend.write_leaf`:
     the leaf keeps no history to rebase, the rotation's node goes on a new tensor over its memory); views of such a
     leaf stay refused, as autograd refuses to write them in place."""
-    # Traced, the call runs PyTorch's own in-place operations, which functionalization checks (the overlap query has
-    # no graph).
+    # Traced, the call runs PyTorch's own in-place operations, which functionalization and autograd check (the overlap
+    # and view queries have no graph).
     if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(x) == 1:
         raise ValueError(f"{name}: in-place rotation needs a tensor whose elements do not overlap in memory "
                          f"(an expanded or stride-0 view was given, strides {tuple(x.stride())})")
@@ -138,7 +138,7 @@ def check_inplace(name: str, x: torch.Tensor, leaf_written: bool = False) -> Non
         if x.is_leaf and not leaf_written:
             raise ValueError(f"{name}: in-place rotation of a leaf tensor that requires grad; rotate a copy, or "
                              f"use inplace=False")
-        if not x.is_leaf and x._is_view() and not _rebasable(x):
+        if not x.is_leaf and not torch.compiler.is_compiling() and x._is_view() and not _rebasable(x):
             raise ValueError(f"{name}: in-place rotation of a view that autograd does not let be modified in place "
                              f"(a view of a leaf that requires grad, or an output of split/unbind/chunk); rotate a "
                              f"copy, or use inplace=False")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._backend import Call, apply, call_for, kernel_runs, leaf_written, write_leaf
+from ._backend import Call, convention, dispatch
 from ._checks import (
     Layout,
     check_bools,
@@ -69,26 +69,38 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     if inplace:
         check_inplace("x", x, leaf_written=True)
     layout = Layout(s, b, x.shape[-2], d, rot, rows, n_seqs)
-    names = ("cos", "seqlen_offsets")  # for the messages of the position checks
-    if not kernel_runs(x):
-        check_positions(layout, fmt, start, cu_seqlens, 1, 0, names)
-        pos = reference.token_positions(layout, fmt, start, cu_seqlens, 1, 0, x.device)
-        full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
-        if leaf_written(x, inplace):
-            def rotate(t, backward):  # backward: the inverse rotation, -sin (exact), into a new tensor
-                out = reference.rotate_rows(t, full[0], -full[1] if backward else full[1], pos, fmt, interleaved)
-                return out if backward else t.copy_(out)
-            return write_leaf(x, rotate)
-        out = reference.rotate_rows(x, *full, pos, fmt, interleaved)
-        return x.copy_(out) if inplace else out
+    check_positions(layout, fmt, start, cu_seqlens, 1, 0, ("cos", "seqlen_offsets"))
+    return dispatch(FLASH, (x,), (cos, sin, start, cu_seqlens), (fmt, interleaved), inplace=inplace)[0]
+
+
+def _layout(ts, reads, flags) -> Layout:
+    x, cos, cu_seqlens = ts[0], reads[0], reads[3]
+    if flags[0] == "thd":
+        s, b, n_seqs = x.shape[0], 1, cu_seqlens.shape[0] - 1
+    else:
+        b, s, n_seqs = x.shape[0], x.shape[1], 0
+    return Layout(s, b, x.shape[-2], x.shape[-1], 2 * cos.shape[1], cos.shape[0], n_seqs)
+
+
+def _call(ts, reads, flags) -> Call:
+    return Call(_layout(ts, reads, flags), flags[0], flags[1], reads[2], reads[3], 1, 0)
+
+
+def _reads(call, reads, flags) -> tuple:
+    cos, sin, start, cu_seqlens = reads
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    index_keys = [None if v is None else (v.shape, v.dtype) for v in (start, cu_seqlens)]
-    key = ("flash", x.shape, x.stride(), x.dtype, x.device, fmt, rot, rows, interleaved, *index_keys)
-    call = call_for(key, lambda: Call(layout, fmt, interleaved, start, cu_seqlens, 1, 0))
-    if call.checks_values:
-        check_positions(layout, fmt, start, cu_seqlens, 1, 0, names)
-    token_index, pos_table = token_index_for(call, cu_seqlens)
-    angles = table_angles(cos, sin, half=True)
-    return apply((x,), call, angles, start_positions=start, token_index=token_index, pos_table=pos_table,
-                 inplace=inplace)[0]
+    return (table_angles(cos, sin, half=True), start, *token_index_for(call, cu_seqlens))
+
+
+def _reference(ts, reads, flags, backward) -> tuple:
+    """Rows at each token's position; backward: the inverse rotation, -sin (exact)."""
+    cos, sin, start, cu_seqlens = reads
+    fmt, interleaved = flags
+    x = ts[0]
+    pos = reference.token_positions(_layout(ts, reads, flags), fmt, start, cu_seqlens, 1, 0, x.device)
+    full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
+    return (reference.rotate_rows(x, full[0], -full[1] if backward else full[1], pos, fmt, interleaved),)
+
+
+FLASH = convention("flash", _call, _reads, _reference)

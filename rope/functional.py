@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._backend import Rotation, TracedCall, apply, apply_traced, checked_call, on_kernel_device
+from ._backend import Call, checked_call, convention, dispatch
 from ._checks import (
     check_bools,
     check_disjoint,
@@ -13,23 +13,8 @@ from ._checks import (
     check_positions,
     check_static,
 )
-from ._launch import angles_for, rotate, table_angles, token_index_for
-from ._request import Request
+from ._launch import angles_for, table_angles, token_index_for
 from .cache import RoPECache
-
-
-def _read(call, freqs, cache, start_positions, cu_seqlens) -> tuple:
-    """The value checks of a checked call, then what its launches read: (angles, token index, pos_table)."""
-    if call.checks_values:
-        check_positions(call.layout, call.tensor_format, start_positions, cu_seqlens, call.cp_size, call.cp_rank)
-    angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
-    return (angles, *token_index_for(call, cu_seqlens))
-
-
-def _use_reference(fused, t) -> bool:
-    """fused=False asks for the reference; otherwise `rope._backend.on_kernel_device` decides (a t that is no tensor
-    goes on to the kernel path's checks, which name it)."""
-    return not fused or (isinstance(t, torch.Tensor) and not on_kernel_device(t))
 
 
 def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -47,37 +32,11 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     """
     if not (isinstance(fused, bool) and isinstance(inplace, bool)):  # `fused` picks the path: checked first
         check_bools(fused=fused, inplace=inplace)
-    if _use_reference(fused, t):
-        # fused=True refuses float64 on every device, as the kernel does: a call's verdict never depends on it
-        out = reference.checked_apply(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
-                                      cp_rank, allow_float64=not fused)
-        if inplace:
-            check_inplace("t", t)
-            return t.copy_(out)
-        return out
-    cache = freqs if isinstance(freqs, RoPECache) else None
-    if cache is not None:
-        if torch.compiler.is_compiling():  # traced: the reference's PyTorch operations on the tables
-            return apply_rotary_pos_emb(t, freqs, tensor_format, start_positions, interleaved, False, cu_seqlens,
-                                        cp_size, cp_rank, inplace=inplace)
-        freqs = cache.as_freqs
-    if torch.compiler.is_compiling():
-        # Traced code: checks on shapes become guards, the launch an opaque custom op.
-        check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                     allow_float64=False)
-        # freqs detached: the angles get no gradient, as in the eager kernel's call
-        out = apply_traced(t, TracedCall(freqs.detach(), start_positions, cu_seqlens, tensor_format, interleaved,
-                                         cp_size, cp_rank))
-        return t.copy_(out) if inplace else out
-    call = checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
-    angles, token_index, pos_table = _read(call, freqs, cache, start_positions, cu_seqlens)
+    reads, flags = _arguments(freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
+    call = _checked((t,), ("t",), reads, flags, fused)
     if inplace:  # after the value checks, in the reference's order
         check_inplace("t", t)
-    if t.requires_grad and torch.is_grad_enabled():  # a leaf was refused above
-        return Rotation.apply(Request(call, angles, start_positions, token_index, pos_table, inplace),
-                              "dirty" if inplace else None, t)[0]
-    # The eager no-grad call, the hot path: straight to the launcher, no record built.
-    return rotate(call, t, angles, start_positions, token_index, False, inplace, pos_table)
+    return dispatch(TE, (t,), reads, flags, inplace=inplace, fits=fused, call=call)[0]
 
 
 def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -87,38 +46,77 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
     q and k share format, tokens, head dim and dtype; their head counts may differ (GQA, MQA).
     Each group's angles are read and their sin/cos evaluated once for both tensors, and the
     backward computes both gradients in one launch too. Same semantics as two calls of
-    `apply_rotary_pos_emb`; CPU tensors without the interpreter use the reference twice.
+    `apply_rotary_pos_emb`; CPU tensors without the interpreter use the reference for each.
     """
     if not isinstance(inplace, bool):
         check_bools(inplace=inplace)
     check_pair(q, k, tensor_format)
-    if _use_reference(True, q) or torch.compiler.is_compiling():
-        for name, x in (("q", q), ("k", k)):  # the kernel path's static checks, naming q and k, not t
-            check_static(x, freqs.as_freqs if isinstance(freqs, RoPECache) else freqs, tensor_format, start_positions,
-                         interleaved, cu_seqlens, cp_size, cp_rank, allow_float64=False, name=name)
-        kw = dict(tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved,
-                  cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank)
-        outs = apply_rotary_pos_emb(q, freqs, **kw), apply_rotary_pos_emb(k, freqs, **kw)
-        if not inplace:
-            return outs
-        if not torch.compiler.is_compiling():  # both checked before either is written, as on the kernel path
-            _check_inplace_qk(q, k)
-        return q.copy_(outs[0]), k.copy_(outs[1])
-    cache = freqs if isinstance(freqs, RoPECache) else None
-    freqs = freqs if cache is None else cache.as_freqs
-    call = checked_call(q, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "q")
-    checked_call(k, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank, "k")
-    angles, token_index, pos_table = _read(call, freqs, cache, start_positions, cu_seqlens)
-    if inplace:
-        _check_inplace_qk(q, k)
-    return apply((q, k), call, angles, start_positions=start_positions, token_index=token_index, pos_table=pos_table,
-                 inplace=inplace)
+    reads, flags = _arguments(freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
+    call = _checked((q, k), ("q", "k"), reads, flags, True)
+    if inplace:  # both checked before either is written
+        check_inplace("q", q)
+        check_inplace("k", k)
+        check_disjoint(q, k)
+    return dispatch(TE, (q, k), reads, flags, inplace=inplace, call=call)
 
 
-def _check_inplace_qk(q, k):
-    check_inplace("q", q)
-    check_inplace("k", k)
-    check_disjoint(q, k)
+def _arguments(freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank) -> tuple:
+    """(reads, flags) of a TransformerEngine call: freqs (a `RoPECache`'s as [s2, 1, 1, d2]), the index tensors, and
+    a cache's cos/sin tables (None for freqs)."""
+    if isinstance(freqs, RoPECache):
+        return ((freqs.as_freqs, start_positions, cu_seqlens, freqs.cos, freqs.sin),
+                (tensor_format, interleaved, cp_size, cp_rank))
+    return (freqs, start_positions, cu_seqlens, None, None), (tensor_format, interleaved, cp_size, cp_rank)
+
+
+def _checked(ts, names, reads, flags, fused) -> Call:
+    """Each of ts checked against the angles (named as the caller names it), then the values of the index tensors;
+    returns the first one's checked signature (float64 t is accepted only with fused=False, the PyTorch path)."""
+    freqs, start_positions, cu_seqlens = reads[0], reads[1], reads[2]
+    tensor_format, interleaved, cp_size, cp_rank = flags
+    if fused:
+        call = checked_call(ts[0], freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                            names[0])
+        if len(ts) > 1:
+            checked_call(ts[1], freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                         names[1])
+        layout = call.layout
+    else:
+        call = None
+        layout = check_static(ts[0], freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                              allow_float64=True)
+    if start_positions is not None or cu_seqlens is not None:
+        check_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    return call
+
+
+def _call(ts, reads, flags) -> Call:
+    """TransformerEngine's checked signature (`checked_call`: the memo's key of t, freqs and the index tensors)."""
+    freqs, start_positions, cu_seqlens = reads[:3]
+    tensor_format, interleaved, cp_size, cp_rank = flags
+    return checked_call(ts[0], freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
+
+
+def _reads(call, reads, flags) -> tuple:
+    freqs, start_positions, cu_seqlens, cos, sin = reads
+    angles = angles_for(call, freqs) if cos is None else table_angles(cos, sin, half=False)
+    return (angles, start_positions, *token_index_for(call, cu_seqlens))
+
+
+def _reference(ts, reads, flags, backward) -> tuple:
+    """`rope.reference`'s positions and tables (freqs read as float32 for a float32 or narrower t), per tensor."""
+    freqs, start_positions, cu_seqlens, cos, sin = reads
+    tensor_format, interleaved, cp_size, cp_rank = flags
+    cache = None if cos is None else reference.Tables(cos, sin)
+    layout = check_static(ts[0], freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                          allow_float64=True)
+    pos = reference.token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
+                                    ts[0].device)
+    return tuple(reference.rotate(x, *reference.token_tables(freqs, cache, pos, tensor_format, x.dtype), interleaved)
+                 for x in ts)
+
+
+TE = convention("te", _call, _reads, _reference)
 
 
 def apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
@@ -144,11 +142,9 @@ def apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, te
                          f"nq + nk + nv = qkv.shape[-1] = {qkv.shape[-1]}, got {list(qkv_split_arg_list)}")
     q, k, v = torch.split(qkv, [nq, nk, nv], dim=3)
     q = q.reshape(*qkv.shape[:2], qkv.shape[2] * nq // nk, nk)  # a view where nq == nk, else a copy
-    if not torch.compiler.is_compiling():  # the messages name this signature's arguments, on every path
-        for part, freqs in ((q, q_freqs), (k, k_freqs)):
-            checked_call(part, freqs.as_freqs if isinstance(freqs, RoPECache) else freqs, tensor_format,
-                         start_positions, interleaved, None, cp_size, cp_rank, "qkv",
-                         "q_freqs" if part is q else "k_freqs")
+    for part, freqs in ((q, q_freqs), (k, k_freqs)):  # the messages name this signature's arguments, on every path
+        checked_call(part, freqs.as_freqs if isinstance(freqs, RoPECache) else freqs, tensor_format,
+                     start_positions, interleaved, None, cp_size, cp_rank, "qkv", "q_freqs" if part is q else "k_freqs")
     kw = dict(tensor_format=tensor_format, start_positions=start_positions, interleaved=interleaved,
               cp_size=cp_size, cp_rank=cp_rank)
     return (apply_rotary_pos_emb(q, q_freqs, **kw), apply_rotary_pos_emb(k, k_freqs, **kw),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._backend import Call, apply, call_for, kernel_runs
+from ._backend import Call, convention, dispatch
 from ._checks import Layout, check_mrope_section, check_rotary_tables, heads_views
 from ._launch import table_angles
 
@@ -65,35 +65,45 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
 
 def _rotate(xs, views, cos, sin, unsqueeze_dim, interleaved=False, streams=None) -> tuple:
     """xs (q and k, or x; `views` their [b, s, h, d] views) rotated over the first r = cos.shape[-1] channels in one
-    launch; `streams` as `rope._launch.Angles` holds them for tables per stream (cos [3, b, s, r])."""
-    b, s, h, d = views[0].shape
-    rot = cos.shape[-1]
-    out_dtype = torch.promote_types(xs[0].dtype, cos.dtype)
-    if not kernel_runs(xs[0]) or out_dtype != xs[0].dtype:
-        # transformers' result in a wider dtype than q's: the reference computes it
-        return _reference(xs, cos, sin, unsqueeze_dim, out_dtype, interleaved, streams)
-    if cos.stride() != sin.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    stream_dims = 0 if streams is None else 1
-    per_batch = cos.shape[stream_dims] > 1
-    angles = table_angles(cos, sin, half=interleaved, per_batch=per_batch, per_stream=streams is not None,
-                          streams=streams or (0, 0, 0, 0))
-    key = ("hf", views[0].shape, views[0].stride(), views[0].dtype, views[0].device, rot, interleaved,
-           tuple(v.shape[2] for v in views[1:]))
-    call = call_for(key, lambda: Call(Layout(s, b, h, d, rot, s, 0), "bshd", interleaved, None, None, 1, 0))
-    outs = apply(views, call, angles)
+    launch; `streams` as `rope._launch.Angles` holds them for tables per stream (cos [3, b, s, r]). The kernel
+    writes q's dtype: a wider result of transformers' promotion is the reference's."""
+    fits = torch.promote_types(xs[0].dtype, cos.dtype) == xs[0].dtype
+    outs = dispatch(HF, tuple(views), (cos, sin), (interleaved, streams), fits=fits)
     return tuple(o.transpose(1, 2) for o in outs) if unsqueeze_dim == 1 else tuple(outs)
 
 
-def _reference(xs, cos, sin, unsqueeze_dim, out_dtype, interleaved, streams) -> tuple:
+def _call(views, reads, flags) -> Call:
+    b, s, h, d = views[0].shape
+    return Call(Layout(s, b, h, d, reads[0].shape[-1], s, 0), "bshd", flags[0], None, None, 1, 0)
+
+
+def _reads(call, reads, flags) -> tuple:
+    cos, sin = reads
+    interleaved, streams = flags
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    per_batch = cos.shape[0 if streams is None else 1] > 1
+    angles = table_angles(cos, sin, half=interleaved, per_batch=per_batch, per_stream=streams is not None,
+                          streams=streams or (0, 0, 0, 0))
+    return angles, None, None, False
+
+
+def _reference(views, reads, flags, backward) -> tuple:
+    """transformers' expression on the [b, s, h, d] views, in the promoted dtype of q's and cos's."""
+    cos, sin = reads
+    interleaved, streams = flags
+    out_dtype = torch.promote_types(views[0].dtype, cos.dtype)
     rot = cos.shape[-1]
     if streams is not None:
         stream = reference.section_of_pair(streams[1:], rot // 2, streams[0] == 2, cos.device)
         cos, sin = (reference.select_streams(tab, stream, False) for tab in (cos, sin))
     if interleaved:  # GLM: column i of the first half for both channels of pair i
         cos, sin = (reference.full_width(tab[..., :rot // 2], True) for tab in (cos, sin))
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return tuple(reference.rotate(x.to(out_dtype), cos, sin, interleaved) for x in xs)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return tuple(reference.rotate(x.to(out_dtype), cos, sin, interleaved) for x in views)
+
+
+HF = convention("hf", _call, _reads, _reference)
 
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_single", "apply_rotary_pos_emb_glm",

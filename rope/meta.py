@@ -9,7 +9,7 @@ result is that number times freqs_cis[.., i], in float32, rounded once to each i
 from __future__ import annotations
 
 from . import reference
-from ._backend import Call, apply, call_for, kernel_runs
+from ._backend import Call, convention, dispatch
 from ._checks import Layout, check_heads_pair, complex_tables
 from ._launch import table_angles
 
@@ -23,11 +23,23 @@ def apply_rotary_emb(xq, xk, freqs_cis):
     if cos.shape not in ((s, d // 2), (1, s, d // 2), (b, s, d // 2)):
         raise ValueError(f"freqs_cis: expected shape [s, d/2] = [{s}, {d // 2}] or [b or 1, s, d/2] = "
                          f"[{b} or 1, {s}, {d // 2}], got {tuple(freqs_cis.shape)}")
-    if not kernel_runs(xq):
-        full = [reference.full_width(t, True) for t in (cos, sin)]
-        return tuple(reference.rotate(x, full[0].unsqueeze(-2), full[1].unsqueeze(-2), True) for x in (xq, xk))
-    per_batch = cos.dim() == 3 and cos.shape[0] == b and b > 1
-    angles = table_angles(cos, sin, half=True, per_batch=per_batch)
-    key = ("meta", xq.shape, xq.stride(), xq.dtype, xq.device, xk.shape[2])
-    call = call_for(key, lambda: Call(Layout(s, b, xq.shape[2], d, d, s, 0), "bshd", True, None, None, 1, 0))
-    return apply((xq, xk), call, angles)
+    return dispatch(META, (xq, xk), (cos, sin))
+
+
+def _call(ts, reads, flags) -> Call:
+    b, s, h, d = ts[0].shape
+    return Call(Layout(s, b, h, d, d, s, 0), "bshd", True, None, None, 1, 0)
+
+
+def _reads(call, reads, flags) -> tuple:
+    cos, sin = reads
+    per_batch = cos.dim() == 3 and cos.shape[0] == call.layout.b and call.layout.b > 1
+    return table_angles(cos, sin, half=True, per_batch=per_batch), None, None, False
+
+
+def _reference(ts, reads, flags, backward) -> tuple:
+    full = [reference.full_width(t, True) for t in reads]
+    return tuple(reference.rotate(x, full[0].unsqueeze(-2), full[1].unsqueeze(-2), True) for x in ts)
+
+
+META = convention("meta", _call, _reads, _reference)

@@ -10,7 +10,7 @@ follows takes them). Angles come from `freqs` [s2, 1, 1, d2] or a `rope.RoPECach
 from __future__ import annotations
 
 from . import reference
-from ._backend import Call, apply, call_for, kernel_runs
+from ._backend import Call, convention, dispatch
 from ._checks import (
     Layout,
     check_mrope_section,
@@ -54,19 +54,42 @@ def _rotate(ts, names, freqs, positions, mrope_section, tensor_format, interleav
     streams = check_mrope_section(mrope_section, rot_dim // 2, mrope_interleaved)
     check_stream_positions(positions, t.shape[:-2], t, names[0])
     check_positions_in(positions, table.shape[0], table="freqs")
-    if not kernel_runs(t):
-        return tuple(reference.apply_multimodal_rotary_pos_emb(x, freqs, positions, mrope_section, tensor_format,
-                                                               interleaved, mrope_interleaved) for x in ts)
-    if positions.dim() == t.dim() - 2:
+    cos, sin = (None, None) if cache is None else (cache.cos, cache.sin)
+    return dispatch(MROPE, ts, (table, cos, sin, positions), (tensor_format, interleaved, streams))
+
+
+def _roles(t, tensor_format) -> tuple:
+    """(s, b) of t in the kernel's roles."""
+    if tensor_format == "thd":
+        return t.shape[0], 1
+    return tuple(t.shape[:2]) if tensor_format == "sbhd" else tuple(t.shape[1::-1])
+
+
+def _call(ts, reads, flags) -> Call:
+    t, table = ts[0], reads[0]
+    s, b = _roles(t, flags[0])
+    return Call(Layout(s, b, t.shape[-2], t.shape[-1], table.shape[-1], table.shape[0], 0), flags[0], flags[1], None,
+                None, 1, 0)
+
+
+def _reads(call, reads, flags) -> tuple:
+    table, cos, sin, positions = reads
+    tensor_format, streams = flags[0], flags[2]
+    if positions.dim() == (1 if tensor_format == "thd" else 2):
         positions = positions.expand(3, *positions.shape)  # one stream for all three: stream stride 0
     if tensor_format == "thd":  # positions in the kernel's [streams, s, b] roles
-        s, b, by_token = t.shape[0], 1, positions[..., None]
+        by_token = positions[..., None]
     else:
-        s, b = t.shape[:2] if tensor_format == "sbhd" else t.shape[1::-1]
         by_token = positions if tensor_format == "sbhd" else positions.transpose(1, 2)
-    key = ("mrope", tensor_format, t.shape, t.stride(), t.dtype, t.device, rot_dim, table.shape[0], interleaved,
-           tuple(x.shape[-2] for x in ts))
-    call = call_for(key, lambda: Call(Layout(s, b, t.shape[-2], t.shape[-1], rot_dim, table.shape[0], 0),
-                                      tensor_format, interleaved, None, None, 1, 0))
-    angles = angles_for(call, freqs) if cache is None else table_angles(cache.cos, cache.sin, half=False)
-    return apply(ts, call, angles._replace(streams=streams), token_index=by_token, pos_table=True)
+    angles = angles_for(call, table) if cos is None else table_angles(cos, sin, half=False)
+    return angles._replace(streams=streams), None, by_token, True
+
+
+def _reference(ts, reads, flags, backward) -> tuple:
+    table, cos, sin, positions = reads
+    tensor_format, interleaved, streams = flags
+    return tuple(reference.multimodal_rotate(x, table, cos, sin, positions, streams[1:], interleaved, streams[0] == 2)
+                 for x in ts)
+
+
+MROPE = convention("mrope", _call, _reads, _reference)

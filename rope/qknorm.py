@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._backend import Call, call_for, kernel_runs, norm_rotate
+from ._backend import Call, convention, dispatch
 from ._checks import Layout, check_cache_call, check_inplace, check_packed, check_positions_in, check_table_call
 from ._launch import table_angles
 from .qknorm_te import apply_freqs
@@ -28,19 +28,32 @@ def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interle
     rot] as transformers' rotary module returns them (rot <= d even: partial rotary over the first rot channels;
     interleaved: pairs (2i, 2i + 1)). gemma: Gemma's (1 + w). New tensors, in q's layout."""
     qv, kv = check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, interleaved, gemma)
-    b, s, hq, d = qv.shape
-    rot = cos.shape[-1]
-    if not kernel_runs(q):
-        c, s_ = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-        return tuple(reference_norm_rope(x, w, eps, gemma, c, s_, interleaved)
-                     for x, w in ((q, q_weight), (k, k_weight)))
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    angles = table_angles(cos, sin, half=False, per_batch=cos.shape[0] > 1)
-    key = ("qknorm", qv.shape, qv.stride(), qv.dtype, qv.device, kv.shape[2], rot, interleaved)
-    call = call_for(key, lambda: Call(Layout(s, b, hq, d, rot, s, 0), "bshd", interleaved, None, None, 1, 0))
-    qo, ko = norm_rotate(qv, kv, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1 + gemma, eps=eps)
+    qo, ko = dispatch(QKNORM, (qv, kv, q_weight.contiguous(), k_weight.contiguous()), (cos, sin),
+                      (interleaved, gemma, eps))
     return (qo.transpose(1, 2), ko.transpose(1, 2)) if unsqueeze_dim == 1 else (qo, ko)
+
+
+def _call(ts, reads, flags) -> Call:
+    b, s, hq, d = ts[0].shape
+    return Call(Layout(s, b, hq, d, reads[0].shape[-1], s, 0), "bshd", flags[0], None, None, 1, 0)
+
+
+def _reads(call, reads, flags) -> tuple:
+    cos, sin = reads
+    interleaved, gemma, eps = flags
+    return table_angles(cos, sin, half=False, per_batch=cos.shape[0] > 1), None, None, False, 1 + gemma, eps
+
+
+def _reference(ts, reads, flags, backward) -> tuple:
+    qv, kv, q_weight, k_weight = ts
+    interleaved, gemma, eps = flags
+    c, s = reads[0].unsqueeze(2), reads[1].unsqueeze(2)
+    return tuple(reference_norm_rope(x, w, eps, gemma, c, s, interleaved) for x, w in ((qv, q_weight), (kv, k_weight)))
+
+
+QKNORM = convention("qknorm", _call, _reads, _reference, norm=True)
 
 
 def apply_cache(q, k, q_weight, k_weight, positions, cos_sin_cache, eps=1e-6, is_neox=True, gemma=False,
@@ -57,11 +70,8 @@ def apply_cache(q, k, q_weight, k_weight, positions, cos_sin_cache, eps=1e-6, is
     check_positions_in(positions, rows)
     if streams[0] and positions.dim() == 1:
         positions = positions.expand(3, q.shape[0])  # one stream for all three: stream stride 0
-    if not kernel_runs(q):
-        return _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams)
-    call, angles = _cache_call(q, k, cos_sin_cache, positions, is_neox, streams)
-    return norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1 + gemma, eps=eps,
-                       token_index=positions[..., None] if streams[0] else positions, pos_table=True)
+    return dispatch(QKNORM_CACHE, (q, k, q_weight.contiguous(), k_weight.contiguous()), (cos, sin, positions),
+                    (not is_neox, gemma, eps, streams))
 
 
 def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
@@ -76,35 +86,39 @@ def fused_qk_norm_rope(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps
         raise ValueError("qkv: vLLM's op writes qkv in place and has no backward; call it under torch.no_grad(), "
                          "or use rope.qknorm.apply_cache")
     check_positions_in(position_ids, rows, "position_ids")
-    if not kernel_runs(qkv):
-        qo, ko = _reference_cache(q, k, q_weight, k_weight, position_ids, cos, sin, eps, is_neox, False)
-        q.copy_(qo)
-        k.copy_(ko)
-        return None
-    call, angles = _cache_call(q, k, cos_sin_cache, position_ids, is_neox)
-    norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1, eps=eps,
-                token_index=position_ids, pos_table=True, inplace=True)
+    dispatch(QKNORM_CACHE, (q, k, q_weight.contiguous(), k_weight.contiguous()), (cos, sin, position_ids),
+             (not is_neox, False, eps, (0, 0, 0, 0)), inplace=True)
     return None
 
 
-def _cache_call(q, k, cache, positions, is_neox, streams=(0, 0, 0, 0)) -> tuple:
-    """(the checked signature, the angles) of a call at positions of vLLM's cos_sin_cache; with `streams`, positions
-    [3, T] go to the kernel in its [streams, s, b] roles."""
-    rows, rot = cache.shape
-    t, hq, d = q.shape
-    key = ("qknorm-cache", q.shape, q.stride(), q.dtype, q.device, k.shape[1], rot, rows, is_neox, positions.dtype)
-    call = call_for(key, lambda: Call(Layout(t, 1, hq, d, rot, rows, 0), "thd", not is_neox, None, None, 1, 0))
-    angles = table_angles(cache[:, :rot // 2], cache[:, rot // 2:], half=True, streams=streams)
-    return call, angles
+def _cache_call(ts, reads, flags) -> Call:
+    """A call at positions of vLLM's cos_sin_cache (cos, sin: its halves [max_position, rot / 2])."""
+    t, hq, d = ts[0].shape
+    cos = reads[0]
+    return Call(Layout(t, 1, hq, d, 2 * cos.shape[1], cos.shape[0], 0), "thd", flags[0], None, None, 1, 0)
 
 
-def _reference_cache(q, k, q_weight, k_weight, positions, cos, sin, eps, is_neox, gemma, streams=(0, 0, 0, 0)):
-    full = [reference.rows_at(reference.full_width(tab, not is_neox), positions.long()) for tab in (cos, sin)]
+def _cache_reads(call, reads, flags) -> tuple:
+    """With multimodal `streams`, positions [3, T] go to the kernel in its [streams, s, b] roles."""
+    cos, sin, positions = reads
+    interleaved, gemma, eps, streams = flags
+    return (table_angles(cos, sin, half=True, streams=streams), None,
+            positions[..., None] if streams[0] else positions, True, 1 + gemma, eps)
+
+
+def _reference_cache(ts, reads, flags, backward) -> tuple:
+    q, k, q_weight, k_weight = ts
+    cos, sin, positions = reads
+    interleaved, gemma, eps, streams = flags
+    full = [reference.rows_at(reference.full_width(tab, interleaved), positions.long()) for tab in (cos, sin)]
     if streams[0]:
         stream = reference.section_of_pair(streams[1:], cos.shape[1], streams[0] == 2, q.device)
-        full = [reference.select_streams(tab, stream, not is_neox) for tab in full]
+        full = [reference.select_streams(tab, stream, interleaved) for tab in full]
     full = [tab.unsqueeze(-2) for tab in full]
-    return tuple(reference_norm_rope(x, w, eps, gemma, *full, not is_neox) for x, w in ((q, q_weight), (k, k_weight)))
+    return tuple(reference_norm_rope(x, w, eps, gemma, *full, interleaved) for x, w in ((q, q_weight), (k, k_weight)))
+
+
+QKNORM_CACHE = convention("qknorm-cache", _cache_call, _cache_reads, _reference_cache, norm=True)
 
 
 __all__ = ["apply", "apply_cache", "apply_freqs", "fused_qk_norm_rope", "reference_norm_rope"]

@@ -5,7 +5,7 @@ angles `freqs` [s2, 1, 1, rot] or a `rope.RoPECache`; per head y = RoPE(RMSNorm(
 from __future__ import annotations
 
 from . import reference
-from ._backend import checked_call, kernel_runs, norm_rotate
+from ._backend import Call, checked_call, convention, dispatch
 from ._checks import check_freqs_call
 from ._launch import angles_for, table_angles, token_index_for
 from .cache import RoPECache
@@ -22,26 +22,42 @@ def apply_freqs(q, k, q_weight, k_weight, freqs, tensor_format="sbhd", start_pos
     k and both weights (freqs get no gradient, as in TransformerEngine)."""
     cache = freqs if isinstance(freqs, RoPECache) else None
     angles_in = freqs if cache is None else cache.as_freqs
-    kernel = kernel_runs(q)
-    call = check_freqs_call(q, k, q_weight, k_weight, angles_in, tensor_format, start_positions, interleaved,
-                            cu_seqlens, cp_size, cp_rank, eps, gemma, checked_call if kernel else None)
-    if not kernel:
-        return _reference(q, k, q_weight, k_weight, angles_in, cache, call, tensor_format, start_positions,
-                          interleaved, cu_seqlens, cp_size, cp_rank, eps, gemma)
-    angles = angles_for(call, angles_in) if cache is None else table_angles(cache.cos, cache.sin, half=False)
-    token_index, pos_table = token_index_for(call, cu_seqlens)
-    return norm_rotate(q, k, q_weight.contiguous(), k_weight.contiguous(), call, angles, norm=1 + gemma, eps=eps,
-                       start_positions=start_positions, token_index=token_index, pos_table=pos_table)
+    check_freqs_call(q, k, q_weight, k_weight, angles_in, tensor_format, start_positions, interleaved, cu_seqlens,
+                     cp_size, cp_rank, eps, gemma, checked_call)
+    cos, sin = (None, None) if cache is None else (cache.cos, cache.sin)
+    return dispatch(QKNORM_TE, (q, k, q_weight.contiguous(), k_weight.contiguous()),
+                    (angles_in, cos, sin, start_positions, cu_seqlens),
+                    (tensor_format, interleaved, cp_size, cp_rank, gemma, eps))
 
 
-def _reference(q, k, q_weight, k_weight, freqs, cache, layout, tensor_format, start_positions, interleaved,
-               cu_seqlens, cp_size, cp_rank, eps, gemma):
+def _call(ts, reads, flags) -> Call:
+    tensor_format, interleaved, cp_size, cp_rank = flags[:4]
+    return checked_call(ts[0], reads[0], tensor_format, reads[3], interleaved, reads[4], cp_size, cp_rank, "q")
+
+
+def _reads(call, reads, flags) -> tuple:
+    freqs, cos, sin, start_positions, cu_seqlens = reads
+    angles = angles_for(call, freqs) if cos is None else table_angles(cos, sin, half=False)
+    return (angles, start_positions, *token_index_for(call, cu_seqlens), 1 + flags[4], flags[5])
+
+
+def _reference(ts, reads, flags, backward) -> tuple:
     """The PyTorch path: `rope.reference`'s positions and tables (float32 angles, as the kernel reads freqs), then
     `reference_norm_rope` per tensor."""
+    q, k, q_weight, k_weight = ts
+    freqs, cos, sin, start_positions, cu_seqlens = reads
+    tensor_format, interleaved, cp_size, cp_rank, gemma, eps = flags
+    layout = _call(ts, reads, flags).layout
     pos = reference.token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank, q.device)
-    cos, sin = reference.token_tables(freqs, cache, pos, tensor_format)
+    if cos is None:
+        cos, sin = reference.token_tables(freqs, None, pos, tensor_format)
+    else:
+        cos, sin = reference.token_tables(None, reference.Tables(cos, sin), pos, tensor_format)
     return tuple(reference_norm_rope(x, w, eps, gemma, cos, sin, interleaved).contiguous()
                  for x, w in ((q, q_weight), (k, k_weight)))
+
+
+QKNORM_TE = convention("qknorm-te", _call, _reads, _reference, norm=True)
 
 
 __all__ = ["apply_freqs"]

@@ -8,6 +8,8 @@ arithmetic runs in float32 (float64 for float64 inputs), and the result is round
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ._checks import check_positions, check_static
@@ -123,11 +125,19 @@ def apply_multimodal_rotary_pos_emb(t, freqs, positions, mrope_section, tensor_f
                                     mrope_interleaved=False):
     """Reference of `rope.mrope.apply_multimodal_rotary_pos_emb` (the caller checks the arguments):
     positions [3, *lead] or [*lead] (lead: t's token dims), `freqs` [s2, 1, 1, d2] or a `rope.RoPECache`."""
-    cache = freqs if hasattr(freqs, "as_freqs") else None
+    if hasattr(freqs, "as_freqs"):
+        return multimodal_rotate(t, freqs.as_freqs, freqs.cos, freqs.sin, positions, mrope_section, interleaved,
+                                 mrope_interleaved)
+    return multimodal_rotate(t, freqs, None, None, positions, mrope_section, interleaved, mrope_interleaved)
+
+
+def multimodal_rotate(t, freqs, cos, sin, positions, mrope_section, interleaved, mrope_interleaved):
+    """`apply_multimodal_rotary_pos_emb` with the angles as freqs [s2, 1, 1, d2], or, where cos is given, the
+    tables cos, sin [s2, d2] (a `rope.RoPECache`'s)."""
     lead = t.shape[:-2]
     pos = positions.long().expand(3, *lead)
-    if cache is not None:
-        cos, sin = rows_at(cache.cos, pos), rows_at(cache.sin, pos)
+    if cos is not None:
+        cos, sin = rows_at(cos, pos), rows_at(sin, pos)
     else:
         f = rows_at(angles_as_read(freqs[:, 0, 0, :], t.dtype), pos)
         cos, sin = torch.cos(f), torch.sin(f)
@@ -161,6 +171,13 @@ def angles_as_read(freqs: torch.Tensor, t_dtype: torch.dtype) -> torch.Tensor:
     """`freqs` as every path reads them (docs/contract.md section 2): float32, whatever their dtype, so that the
     kernel and this path give one verdict; float64 only for a float64 `t`, the oracle's own mode."""
     return freqs.to(torch.float64 if t_dtype == torch.float64 else torch.float32)
+
+
+class Tables(NamedTuple):
+    """cos and sin tables [s2, d2] as `token_tables` reads a `rope.RoPECache`'s."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 def token_tables(freqs, cache, pos, tensor_format, t_dtype=torch.float32):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._backend import Call, apply, call_for, kernel_runs
+from ._backend import Call, convention, dispatch
 from ._checks import (
     Layout,
     check_heads_pair,
@@ -101,18 +101,32 @@ def _rotate(query, key, cos, sin, positions, interleaved: bool, table: str):
         check_positions_in(positions, rows, table=table)
     elif t_len > rows:
         raise ValueError(f"{table}: too short: {t_len} tokens read rows 0 .. {t_len - 1}, got {rows} rows")
-    if not kernel_runs(query):
-        pos = torch.arange(t_len, device=query.device) if positions is None else positions.long()
-        full = [reference.full_width(tab, True) if interleaved else tab for tab in (cos, sin)]
-        c, s = (reference.rows_at(tab, pos).unsqueeze(-2) for tab in full)
-        return tuple(reference.rotate(x, c, s, interleaved) for x in (query, key))
-    angles = table_angles(cos, sin, half=interleaved)
     if positions is None:  # tokens as [s = T, b = 1]: token t reads row t
-        key_ = ("torchtitan", query.shape, query.stride(), query.dtype, query.device, key.shape[1], rows, interleaved)
-        call = call_for(key_, lambda: Call(Layout(t_len, 1, n, h, h, rows, 0), "sbhd", interleaved, None, None, 1, 0))
-        qo, ko = apply((query.unsqueeze(1), key.unsqueeze(1)), call, angles)
+        qo, ko = dispatch(TITAN, (query.unsqueeze(1), key.unsqueeze(1)), (cos, sin), (interleaved,))
         return qo.squeeze(1), ko.squeeze(1)
-    key_ = ("torchtitan-pos", query.shape, query.stride(), query.dtype, query.device, key.shape[1], rows, interleaved,
-            positions.dtype)
-    call = call_for(key_, lambda: Call(Layout(t_len, 1, n, h, h, rows, 0), "thd", interleaved, None, None, 1, 0))
-    return apply((query, key), call, angles, token_index=positions, pos_table=True)
+    return dispatch(TITAN_POSITIONS, (query, key), (cos, sin, positions), (interleaved,))
+
+
+def _call(ts, reads, flags) -> Call:
+    t_len, n, h = ts[0].shape[0], ts[0].shape[-2], ts[0].shape[-1]
+    return Call(Layout(t_len, 1, n, h, h, reads[0].shape[0], 0), "sbhd" if ts[0].dim() == 4 else "thd", flags[0],
+                None, None, 1, 0)
+
+
+def _reads(call, reads, flags) -> tuple:
+    angles = table_angles(reads[0], reads[1], half=flags[0])
+    return (angles, None, None, False) if len(reads) == 2 else (angles, None, reads[2], True)
+
+
+def _reference(ts, reads, flags, backward) -> tuple:
+    """Row positions[t] (or row t) of the tables for token t, broadcast over t's other dims."""
+    interleaved = flags[0]
+    x = ts[0]
+    pos = torch.arange(x.shape[0], device=x.device) if len(reads) == 2 else reads[2].long()
+    full = [reference.full_width(tab, True) if interleaved else tab for tab in reads[:2]]
+    c, s = (reference.rows_at(tab, pos).reshape(x.shape[0], *(1,) * (x.dim() - 2), tab.shape[-1]) for tab in full)
+    return tuple(reference.rotate(x, c, s, interleaved) for x in ts)
+
+
+TITAN = convention("torchtitan", _call, _reads, _reference)
+TITAN_POSITIONS = convention("torchtitan-positions", _call, _reads, _reference)

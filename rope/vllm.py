@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._backend import Call, apply, call_for, kernel_runs
+from ._backend import Call, convention, dispatch
 from ._checks import (
     Layout,
     check_cos_sin_cache,
@@ -34,7 +34,7 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     q, k, cos, sin, rows = _checked(positions, query, key, head_size, cos_sin_cache, is_neox)
     check_token_positions(flat, positions.numel(), q, "query")
     check_positions_in(positions, rows)  # the caller's tensor, whose identity the value-check memo keys on
-    _rotate(q, k, cos, sin, cos_sin_cache, flat, is_neox, (0, 0, 0, 0))
+    _rotate(q, k, cos, sin, flat, is_neox, (0, 0, 0, 0))
     return None
 
 
@@ -53,7 +53,7 @@ def mrotary_embedding(positions, query, key, head_size, cos_sin_cache, mrope_sec
     check_positions_in(positions, rows)
     if positions.dim() == 1:
         positions = positions.expand(3, q.shape[0])  # one stream for all three: stream stride 0
-    _rotate(q, k, cos, sin, cos_sin_cache, positions, is_neox, streams)
+    _rotate(q, k, cos, sin, positions, is_neox, streams)
     return query, key
 
 
@@ -85,26 +85,34 @@ def _checked(positions, query, key, head_size, cos_sin_cache, is_neox):
     return q, k, cos, sin, rows
 
 
-def _rotate(q, k, cos, sin, cos_sin_cache, positions, is_neox, streams):
+def _rotate(q, k, cos, sin, positions, is_neox, streams):
     """Rotate q and k in place by the rows `positions` ([num_tokens], or [3, num_tokens] with `streams`)."""
-    ts = (q,) if k is None else (q, k)
-    interleaved = not is_neox
-    rows, rot = cos_sin_cache.shape
-    if not kernel_runs(q):
-        full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
-        if streams[0]:
-            stream = reference.section_of_pair(streams[1:], rot // 2, streams[0] == 2, q.device)
-            cos_t, sin_t = (reference.select_streams(reference.rows_at(tab, positions.long()), stream, interleaved)
-                            for tab in full)
-            for x in ts:
-                x.copy_(reference.rotate(x, cos_t.unsqueeze(-2), sin_t.unsqueeze(-2), interleaved))
-        else:
-            for x in ts:
-                x.copy_(reference.rotate_rows(x, *full, positions.long(), "thd", interleaved))
-        return
-    key_ = ("vllm", q.shape, q.stride(), q.dtype, q.device, rot, rows, interleaved, positions.dtype)
-    call = call_for(key_, lambda: Call(Layout(q.shape[0], 1, q.shape[1], q.shape[2], rot, rows, 0), "thd",
-                                       interleaved, None, None, 1, 0))
-    angles = table_angles(cos, sin, half=True, streams=streams)
-    apply(ts, call, angles, token_index=positions[..., None] if streams[0] else positions, pos_table=True,
-          inplace=True)
+    dispatch(VLLM, (q,) if k is None else (q, k), (cos, sin, positions), (not is_neox, streams), inplace=True)
+
+
+def _call(ts, reads, flags) -> Call:
+    q, cos = ts[0], reads[0]
+    return Call(Layout(q.shape[0], 1, q.shape[1], q.shape[2], 2 * cos.shape[1], cos.shape[0], 0), "thd", flags[0],
+                None, None, 1, 0)
+
+
+def _reads(call, reads, flags) -> tuple:
+    cos, sin, positions = reads
+    streams = flags[1]
+    return (table_angles(cos, sin, half=True, streams=streams), None,
+            positions[..., None] if streams[0] else positions, True)
+
+
+def _reference(ts, reads, flags, backward) -> tuple:
+    cos, sin, positions = reads
+    interleaved, streams = flags
+    full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
+    if streams[0]:
+        stream = reference.section_of_pair(streams[1:], cos.shape[1], streams[0] == 2, cos.device)
+        cos_t, sin_t = (reference.select_streams(reference.rows_at(tab, positions.long()), stream, interleaved)
+                        for tab in full)
+        return tuple(reference.rotate(x, cos_t.unsqueeze(-2), sin_t.unsqueeze(-2), interleaved) for x in ts)
+    return tuple(reference.rotate_rows(x, *full, positions.long(), "thd", interleaved) for x in ts)
+
+
+VLLM = convention("vllm", _call, _reads, _reference)

@@ -2,8 +2,9 @@
 
 A model using rope compiles with fullgraph=True (no graph breaks), matches eager bitwise forward
 and backward, recompiles nothing when only s or b change, and the op passes torch.library.opcheck
-(schema, fake implementation, AOT dispatch). The op has no autograd of its own: traced code records it in
-`rope._backend.Rotation`, the node of every rotation, whose backward the compiled-against-eager tests check.
+(schema, fake implementation, AOT dispatch). Every convention's kernel call traces as the same op,
+`rope::rotate` (`rope::rotate_` in place). The op has no autograd of its own: traced code records it in
+`rope._backend.Rotation` (`NormRotation` for QK norm), whose backward the compiled-against-eager tests check.
 """
 from __future__ import annotations
 
@@ -43,9 +44,19 @@ def test_opcheck(case, backward):
         "start_positions", None) else None
     cu = case.pop("cu_seqlens", None)
     cu = torch.tensor(cu, dtype=torch.int32, device=DEVICE) if cu is not None else None
-    args = (t, freqs, start, cu, fmt, case.get("interleaved", False), case.get("cp_size", 1),
-            case.get("cp_rank", 0), backward)
+    flags = (fmt, case.get("interleaved", False), case.get("cp_size", 1), case.get("cp_rank", 0))
+    args = ("te", [t], [freqs, start, cu, None, None], repr(flags), backward)
     torch.library.opcheck(torch.ops.rope.rotate.default, args)
+
+
+def test_opcheck_inplace():
+    """The in-place op (vLLM's rotary_embedding: q and k written at positions of its cos/sin cache)."""
+    gen = torch.Generator().manual_seed(2)
+    ang = torch.rand(9, 4, generator=gen) * 6
+    q, k = torch.randn(5, 2, 8, generator=gen).to(DEVICE), torch.randn(5, 1, 8, generator=gen).to(DEVICE)
+    positions = torch.randint(0, 9, (5,), generator=gen).to(DEVICE)
+    args = ("vllm", [q, k], [ang.cos().to(DEVICE), ang.sin().to(DEVICE), positions], repr((False, (0, 0, 0, 0))))
+    torch.library.opcheck(torch.ops.rope.rotate_.default, args)
 
 
 def _layer(x, freqs, cu_seqlens=None, tensor_format="sbhd", interleaved=False):
@@ -106,9 +117,9 @@ def test_inductor_fullgraph():
     assert torch.equal(x1.grad, x2.grad)
 
 
-def test_conventions_trace_as_the_reference():
-    """Traced, the conventions (transformers', vLLM's, multimodal) run the reference's PyTorch operations: no
-    graph break with fullgraph=True, and the eager result."""
+def test_conventions_trace_in_one_graph():
+    """Traced, several conventions (transformers', multimodal) in one function: no graph break with fullgraph=True,
+    and the eager result."""
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(1, 2, 5, 8, generator=gen).to(DEVICE)
     k = torch.randn(1, 1, 5, 8, generator=gen).to(DEVICE)
@@ -153,3 +164,241 @@ def test_traced_after_eager_with_the_same_index_tensors():
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     for got, w in zip(compiled(query, key, t), want, strict=True):
         torch.testing.assert_close(got, w, rtol=2**-20, atol=2**-20)  # float32 evaluations of one map
+
+
+# Every convention under torch.compile: the kernel is the one custom op (rope::rotate, or rope::rotate_ in place)
+# in the traced graph, and the compiled result and gradients are the eager kernel's, bit for bit (the op runs the
+# same launch on the same tensors).
+
+
+def _recording_backend():
+    """aot_eager that keeps the forward and backward graphs AOTAutograd makes (after functionalization: an in-place
+    op appears inside auto_functionalized)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {"forward": [], "backward": []}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind].append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")), graphs
+
+
+def rope_ops(graphs) -> int:
+    """How many calls of rope's custom ops the graphs hold."""
+    ops = (torch.ops.rope.rotate.default, torch.ops.rope.rotate_.default)
+    n = 0
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.target in ops or (node.op == "call_function" and "auto_functionalized" in str(node.target) and
+                                      node.args and node.args[0] in ops):
+                n += 1
+    return n
+
+
+def _g(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=_g(seed)).to(DEVICE)
+
+
+def _tables(rows, width, seed=0, per_pair=False, lead=()):
+    ang = torch.rand(*lead, rows, width // 2, generator=_g(seed)) * 6
+    if not per_pair:
+        ang = torch.cat([ang, ang], -1)
+    return ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+
+
+def _vllm_cache(rows=9, rot=8, seed=3):
+    ang = torch.rand(rows, rot // 2, generator=_g(seed)) * 6
+    return torch.cat([ang.cos(), ang.sin()], -1).to(DEVICE)
+
+
+def _positions(*shape, rows=9, seed=4):
+    return torch.randint(0, rows, shape, generator=_g(seed)).to(DEVICE)
+
+
+def _hf_case(fn, **kw):
+    cos, sin = _tables(5, 8, lead=(1,))
+    return lambda q, k: fn(q, k, cos, sin, **kw), [_rand(1, 2, 5, 8), _rand(1, 1, 5, 8, seed=1)]
+
+
+def _hf_single():
+    cos, sin = _tables(5, 8, lead=(1,))
+    return lambda x: rope.hf.apply_rotary_pos_emb_single(x, cos, sin), [_rand(1, 2, 5, 8)]
+
+
+def _hf_mrope():
+    cos, sin = _tables(5, 8, lead=(3, 1))
+    return (lambda q, k: rope.hf.apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 1, 1]),
+            [_rand(1, 2, 5, 8), _rand(1, 1, 5, 8, seed=1)])
+
+
+def _mrope(qk):
+    freqs = (torch.rand(9, 1, 1, 8, generator=_g(5)) * 6).to(DEVICE)
+    pos = _positions(3, 5)
+    if qk:
+        return (lambda q, k: rope.mrope.apply_multimodal_rotary_pos_emb_qk(q, k, freqs, pos, [2, 1, 1]),
+                [_rand(5, 2, 8), _rand(5, 1, 8, seed=1)])
+    return lambda t: rope.mrope.apply_multimodal_rotary_pos_emb(t, freqs, pos, [2, 1, 1]), [_rand(5, 2, 8)]
+
+
+def _meta():
+    ang = torch.rand(5, 4, generator=_g(6)) * 6
+    freqs_cis = torch.polar(torch.ones_like(ang), ang).to(DEVICE)
+    return lambda q, k: rope.meta.apply_rotary_emb(q, k, freqs_cis), [_rand(1, 5, 2, 8), _rand(1, 5, 1, 8, seed=1)]
+
+
+def _flash(inplace, thd=False):
+    cos, sin = _tables(9, 8, per_pair=True)
+    kw = dict(seqlen_offsets=1)
+    x = _rand(1, 5, 2, 8)
+    if thd:
+        kw = dict(cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE))
+        x = _rand(5, 2, 8)
+    if inplace:
+        def f(x):
+            y = x * 1.0  # not a leaf: written in place under autograd, as flash's Function does
+            return rope.flash.apply_rotary_emb(y, cos, sin, inplace=True, **kw)
+        return f, [x]
+    return lambda x: rope.flash.apply_rotary_emb(x, cos, sin, **kw), [x]
+
+
+def _vllm(mrope):
+    cache = _vllm_cache()
+    pos = _positions(3, 5) if mrope else _positions(5)
+
+    def f(query, key):
+        q, k = query.clone(), key.clone()
+        if mrope:
+            rope.vllm.mrotary_embedding(pos, q, k, 8, cache, [2, 1, 1])
+        else:
+            rope.vllm.rotary_embedding(pos, q, k, 8, cache, True)
+        return q, k
+    return f, [_rand(5, 2 * 8), _rand(5, 8, seed=1)]
+
+
+def _titan(form, positions):
+    q, k = _rand(5, 2, 8), _rand(5, 1, 8, seed=1)
+    pos = _positions(5) if positions else None
+    ang = torch.rand(9, 4, generator=_g(7)) * 6
+    complex_cache = torch.polar(torch.ones_like(ang), ang).to(DEVICE)
+    cossin_cache = torch.cat([ang.cos(), ang.cos(), ang.sin(), ang.sin()], -1).to(DEVICE)
+    if form == "complex":
+        return lambda q, k: rope.torchtitan.complex_rope(q, k, complex_cache, pos), [q, k]
+    if form == "cossin":
+        return lambda q, k: rope.torchtitan.cossin_rope(q, k, cossin_cache, pos), [q, k]
+    if form == "complex_apply":
+        return lambda q, k: rope.torchtitan.complex_apply_rotary_emb(q, k, complex_cache[:5, None]), [q, k]
+    return lambda q, k: rope.torchtitan.cossin_apply_rotary_emb(q, k, cossin_cache[:5, None]), [q, k]
+
+
+def _qknorm(form):
+    q, k = _rand(1, 2, 5, 8), _rand(1, 1, 5, 8, seed=1)
+    wq, wk = _rand(8, seed=2), _rand(8, seed=3)
+    if form == "tables":
+        cos, sin = _tables(5, 8, lead=(1,))
+        return lambda q, k, wq, wk: rope.qknorm.apply(q, k, wq, wk, cos, sin), [q, k, wq, wk]
+    if form == "freqs":
+        freqs = (torch.rand(9, 1, 1, 8, generator=_g(5)) * 6).to(DEVICE)
+        return (lambda q, k, wq, wk: rope.qknorm.apply_freqs(q, k, wq, wk, freqs, "bshd"),
+                [q.transpose(1, 2), k.transpose(1, 2), wq, wk])
+    cache, pos = _vllm_cache(), _positions(5)
+    if form == "cache":
+        return (lambda q, k, wq, wk: rope.qknorm.apply_cache(q, k, wq, wk, pos, cache),
+                [_rand(5, 2, 8), _rand(5, 1, 8, seed=1), wq, wk])
+
+    def fused(qkv, wq, wk):  # vLLM's op: in place, no backward
+        qkv = qkv.clone()
+        rope.qknorm.fused_qk_norm_rope(qkv, 2, 1, 1, 8, 1e-6, wq, wk, cache, True, pos)
+        return qkv
+    return fused, [_rand(5, 4 * 8), wq, wk]
+
+
+def _te(qk, form="freqs"):
+    freqs = (torch.rand(9, 1, 1, 8, generator=_g(5)) * 6).to(DEVICE)
+    if form == "cache":
+        cache = rope.RoPECache.from_freqs(freqs)
+        return lambda t: rope.apply_rotary_pos_emb(t, cache), [_rand(5, 1, 2, 8)]
+    if form == "qkv":
+        return (lambda qkv: rope.apply_fused_qkv_rotary_pos_emb(qkv, freqs[..., :4], freqs[..., :4], [4, 4, 4]),
+                [_rand(5, 1, 2, 12)])
+    if form == "inplace":
+        def f(q, k):
+            q, k = q * 1.0, k * 1.0
+            return rope.apply_rotary_pos_emb_qk(q, k, freqs, start_positions=start, inplace=True)
+        start = torch.tensor([2], device=DEVICE)
+        return f, [_rand(5, 1, 2, 8), _rand(5, 1, 1, 8, seed=1)]
+    if qk:
+        return (lambda q, k: rope.apply_rotary_pos_emb_qk(q, k, freqs), [_rand(5, 1, 2, 8), _rand(5, 1, 1, 8, seed=1)])
+    return lambda t: rope.apply_rotary_pos_emb(t, freqs), [_rand(5, 1, 2, 8)]
+
+
+# name -> (a function of tensors and their values, whether it has a backward)
+CONVENTIONS = {
+    "hf": (lambda: _hf_case(rope.hf.apply_rotary_pos_emb), True),
+    "hf-single": (_hf_single, True),
+    "hf-glm": (lambda: _hf_case(rope.hf.apply_rotary_pos_emb_glm), True),
+    "hf-mrope": (_hf_mrope, True),
+    "mrope": (lambda: _mrope(False), True),
+    "mrope-qk": (lambda: _mrope(True), True),
+    "meta": (_meta, True),
+    "flash": (lambda: _flash(False), True),
+    "flash-thd": (lambda: _flash(False, thd=True), True),
+    "flash-inplace": (lambda: _flash(True), True),
+    "vllm": (lambda: _vllm(False), False),
+    "vllm-mrope": (lambda: _vllm(True), False),
+    "torchtitan-complex": (lambda: _titan("complex", False), True),
+    "torchtitan-complex-positions": (lambda: _titan("complex", True), True),
+    "torchtitan-cossin": (lambda: _titan("cossin", False), True),
+    "torchtitan-cossin-positions": (lambda: _titan("cossin", True), True),
+    "torchtitan-complex-apply": (lambda: _titan("complex_apply", False), True),
+    "torchtitan-cossin-apply": (lambda: _titan("cossin_apply", False), True),
+    "qknorm": (lambda: _qknorm("tables"), True),
+    "qknorm-cache": (lambda: _qknorm("cache"), True),
+    "qknorm-freqs": (lambda: _qknorm("freqs"), True),
+    "qknorm-vllm-inplace": (lambda: _qknorm("fused"), False),
+    "te": (lambda: _te(False), True),
+    "te-qk": (lambda: _te(True), True),
+    "te-cache": (lambda: _te(False, "cache"), True),
+    "te-qkv": (lambda: _te(False, "qkv"), True),
+    "te-qk-inplace": (lambda: _te(True, "inplace"), True),
+}
+
+
+def _run(fn, inputs, grad):
+    xs = [x.clone().requires_grad_(grad) for x in inputs]
+    outs = fn(*xs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    if not grad:
+        return outs, ()
+    weights = [torch.randn(o.shape, generator=_g(100 + i)).to(o) for i, o in enumerate(outs)]
+    sum((o * w).sum() for o, w in zip(outs, weights, strict=True)).backward()
+    return outs, [x.grad for x in xs]
+
+
+@pytest.mark.parametrize("name", list(CONVENTIONS))
+def test_every_convention_compiles_to_the_custom_op(name):
+    """fullgraph=True: no graph break; the traced forward holds rope's custom op (and the backward the op in the
+    other direction); results and gradients equal the eager kernel's bit for bit."""
+    make, has_backward = CONVENTIONS[name]
+    fn, inputs = make()
+    backend, graphs = _recording_backend()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    for grad in (False, True) if has_backward else (False,):
+        got, got_grads = _run(compiled, inputs, grad)
+        want, want_grads = _run(fn, inputs, grad)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), f"{name}: compiled result differs from eager"
+        for g, w in zip(got_grads, want_grads, strict=True):
+            assert (g is None) == (w is None) and (g is None or torch.equal(g, w)), f"{name}: gradients differ"
+    assert rope_ops(graphs["forward"]) >= 1, f"{name}: no rope custom op in the traced forward"
+    if has_backward:
+        assert rope_ops(graphs["backward"]) >= 1, f"{name}: no rope custom op in the traced backward"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import rope
 import rope.qknorm as qn
 
 from .cases import DEVICE
@@ -163,7 +164,8 @@ def test_apply_cache_mrope_is_norm_then_mrotary_embedding(interleaved, is_neox):
     (qo * torch.arange(q.shape[-1], device=DEVICE)).sum().add(ko.square().sum()).backward()
     ref = [x.clone().requires_grad_() for x in (q, k, wq, wk)]
     streams = (2 if interleaved else 1, *section)
-    qr, kr = qn._reference_cache(*ref, pos, cache[:, :8], cache[:, 8:], 1e-5, is_neox, False, streams)
+    qr, kr = qn._reference_cache(tuple(ref), (cache[:, :8], cache[:, 8:], pos), (not is_neox, False, 1e-5, streams),
+                                  False)
     (qr * torch.arange(q.shape[-1], device=DEVICE)).sum().add(kr.square().sum()).backward()
     for a, b in zip(leaves, ref, strict=True):  # float32 sums over <= 60 terms of O(10): ~1e-5 relative
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
@@ -182,7 +184,7 @@ def test_apply_cache_mrope_stream_zero_only_is_caught(monkeypatch):
     streams still select sections, all at stream 0's position); the locality property above must fail."""
     import rope._launch as launch
 
-    if not qn.kernel_runs(torch.empty(1, device=DEVICE)):
+    if not rope._backend.kernel_runs(torch.empty(1, device=DEVICE)):
         pytest.skip("the PyTorch path has no launch to plant the bug in")
     strides = launch._pos_strides
     monkeypatch.setattr(launch, "_pos_strides", lambda positions: (0, *strides(positions)[1:]))

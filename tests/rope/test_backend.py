@@ -1,0 +1,86 @@
+"""The back end under the conventions (rope/_backend.py): one decision between kernel, reference and trace, memo keys
+derived from the arguments, and one registry of conventions that the custom op reads."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import rope
+import rope._backend as backend
+from rope import _memo
+
+from .cases import DEVICE
+
+ROPE = pathlib.Path(rope.__file__).parent
+# serving.py is not among them: its fused KV-cache write is a kernel of its own, traced as the two custom ops that
+# docs/contract.md (section 7) names, and rope._backend.rotate_and_cache decides its kernel or reference.
+FRONT_ENDS = ["hf.py", "vllm.py", "meta.py", "flash.py", "mrope.py", "torchtitan.py", "qknorm.py", "qknorm_te.py",
+              "cache.py", "functional.py", "embedding.py"]
+# what deciding between the kernel and the reference takes: the rule, the trace question, and the launcher
+DECIDING = {"kernel_runs", "on_kernel_device", "is_compiling", "rotate", "rotate_qk", "apply", "norm_rotate",
+            "call_for", "rotate_op"}
+
+
+def _names(path) -> set:
+    """Every name a module reads or imports from rope's back end and launcher (and torch.compiler's is_compiling)."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in ("_backend", "_launch"):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.Attribute) and node.attr in ("kernel_runs", "on_kernel_device", "is_compiling"):
+            found.add(node.attr)
+        elif isinstance(node, ast.Name) and node.id in ("kernel_runs", "on_kernel_device"):
+            found.add(node.id)
+    return found
+
+
+@pytest.mark.parametrize("front", FRONT_ENDS)
+def test_front_ends_leave_the_decision_to_the_back_end(front):
+    """No convention file asks where the kernel runs or whether code is traced, nor calls the launcher or the autograd
+    nodes itself: it checks its arguments and hands `rope._backend.dispatch` its tensors, flags and reference."""
+    assert not _names(ROPE / front) & DECIDING, f"{front}: {sorted(_names(ROPE / front) & DECIDING)}"
+
+
+def _hf(cos):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 5, 8, generator=gen).to(DEVICE)
+    k = torch.randn(1, 1, 5, 8, generator=gen).to(DEVICE)
+    return rope.hf.apply_rotary_pos_emb(q, k, cos, cos)
+
+
+def test_memo_keys_are_derived_from_every_tensor(monkeypatch):
+    """Every memo entry is keyed by `rope._backend.signature` under a registered convention's name, over every tensor
+    the call reads: a table at another 16-byte alignment (which Triton specializes on) gets an entry of its own."""
+    if not backend.on_kernel_device(torch.empty(0, device=DEVICE)):
+        pytest.skip("the reference path keeps no memo")
+    monkeypatch.setattr(backend, "_CALLS", _memo.Memo("calls of this test", 4096))
+    wide = torch.rand(1, 5, 9, device=DEVICE)
+    aligned, shifted = wide[..., :8], wide[..., 1:]
+    assert aligned.data_ptr() % 16 != shifted.data_ptr() % 16
+    _hf(aligned.contiguous())
+    _hf(shifted.contiguous())
+    _hf(aligned)
+    _hf(shifted)
+    keys = list(backend._CALLS)
+    assert all(key[0] in backend.CONVENTIONS for key in keys), keys
+    assert len(keys) == 3, keys  # contiguous tables once, then each strided table by its alignment
+
+
+def test_signature_lists_what_triton_specializes_on():
+    """For each tensor: shape, strides, dtype, device, 16-byte alignment; for each flag its type and value (True
+    and 1 differ); None stays None."""
+    x = torch.zeros(2, 3)
+    assert backend.signature("c", (x, None), (True, 1, "sbhd")) == (
+        "c", (True, 1, "sbhd"), (bool, int, str), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, None)
+    assert backend.signature("c", (), (True,)) != backend.signature("c", (), (1,))
+
+
+def test_every_convention_is_registered_once():
+    """The custom op finds each convention by its name: one registry, names distinct, every front end's there."""
+    assert {"hf", "vllm", "meta", "flash", "mrope", "torchtitan", "torchtitan-positions", "qknorm", "qknorm-cache",
+            "qknorm-te", "te"} <= set(backend.CONVENTIONS)
+    assert all(name == conv.name for name, conv in backend.CONVENTIONS.items())
