@@ -74,13 +74,16 @@ _CALLS = _memo.memo("checked signatures and their launch plans", 4096)
 
 def checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
                  name="t", freqs_name="freqs") -> Call:
-    """The call for this signature: checked (`check_static`) on first sight, then found in a dict."""
+    """The call for this signature: checked (`check_static`) on first sight, then found in a dict. Traced code
+    checks every time it traces (a data pointer has no value there, and the trace runs once per guard)."""
     try:
+        if torch.compiler.is_compiling():
+            raise RuntimeError
         key = signature("te", (t, freqs, start_positions, cu_seqlens), (tensor_format, interleaved, cp_size, cp_rank))
         call = _CALLS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
         key, call = None, None
-    except RuntimeError:  # a functorch-wrapped tensor has no data pointer: checked, not memoised
+    except RuntimeError:  # traced, or a functorch-wrapped tensor (no data pointer): checked, not memoised
         key, call = None, None
     if call is None:
         layout = check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
@@ -159,7 +162,7 @@ def leaf_written(x, inplace) -> bool:
 def apply(ts, call, angles, *, start_positions=None, token_index=None, pos_table=False, inplace=False):
     """ts (a tuple: t, or q and k) rotated: `Request`'s fields by name. Differentiable in ts where autograd records,
     which keeps them as a `Request`; the no-grad call builds none (the hot path: straight to the launcher)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+    if torch.is_grad_enabled() and (ts[0].requires_grad or (len(ts) > 1 and ts[1].requires_grad)):
         request = Request(call, angles, start_positions, token_index, pos_table, inplace)
         if len(ts) == 1 and leaf_written(ts[0], inplace):
             return (write_leaf(ts[0], lambda t, backward: _rotate(request, (t,), backward)[0]),)
@@ -270,14 +273,15 @@ def convention(name, call, reads, reference, norm=False) -> Convention:
 def signature(name, tensors, flags) -> tuple:
     """The call memo's key, derived from what Triton specializes on and what a plan depends on: the convention's
     name; its flags with the type of each (True and 1 hash alike); for each tensor its shape, strides, dtype, device
-    and 16-byte alignment, in line (None stays one None: a convention's tensors come in a fixed order). One tuple
-    build: the hot path's cost is this and a dict lookup."""
+    (`get_device()`: the CUDA device's index, -1 on the CPU; cheaper than a `torch.device`) and 16-byte alignment,
+    in line (None stays one None: a convention's tensors come in a fixed order). One tuple build: the hot path's
+    cost is this and a dict lookup."""
     key = [name, flags, tuple(map(type, flags))]
     for x in tensors:
         if x is None:
             key.append(None)
         else:
-            key += (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
+            key += (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16)
     return tuple(key)
 
 

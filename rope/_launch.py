@@ -462,10 +462,15 @@ def angles_for(call, freqs):
     the interleaved kernel evaluating sin/cos is as fast), or, where no table may be used, `freqs`
     itself as float32 (the kernel then evaluates sin/cos)."""
     if not call.interleaved:
-        table = cos_sin_table(freqs, call.layout.freqs_len, call.layout.rot_dim)
-        if table is not None:
-            return table_angles(table[0], table[1], half=False)
+        angles = cos_sin_table(freqs, call.layout.freqs_len, call.layout.rot_dim, _half_split_tables)
+        if angles is not None:
+            return angles
     return freqs_angles(freqs, call.layout.freqs_len)
+
+
+def _half_split_tables(cos, sin) -> Angles:
+    # kept with the table (`cos_sin_table`): the record costs more host time than the table's lookup
+    return table_angles(cos, sin, half=False)
 
 
 def token_index_for(call, cu_seqlens):

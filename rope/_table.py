@@ -50,14 +50,14 @@ def evaluated():
         _ENABLED[0] = saved
 
 
-def _build(freqs: torch.Tensor, freqs_len: int, rot_dim: int):
-    """(memory, (cos, sin)): the two tables are views of one allocation."""
+def _build(freqs: torch.Tensor, freqs_len: int, rot_dim: int, as_read):
+    """(memory, as_read(cos, sin)): the two tables are views of one allocation."""
     # The kernel's angles get no gradient (as in TransformerEngine's fused path): the table is built outside autograd.
     angles = freqs.detach().reshape(freqs_len, rot_dim).float()
     table = torch.empty((2, freqs_len, rot_dim), dtype=torch.float32, device=freqs.device)
     torch.cos(angles, out=table[0])
     torch.sin(angles, out=table[1])
-    return table, (table[0], table[1])
+    return table, as_read(table[0], table[1])
 
 
 class _Entry:
@@ -112,9 +112,10 @@ def _cached(src: torch.Tensor, key, build, *args):
     return table
 
 
-def cos_sin_table(freqs: torch.Tensor, freqs_len: int, rot_dim: int):
-    """(cos, sin) tables for `freqs` (built on first use), or None where none may be used (see above)."""
-    return _cached(freqs, id(freqs), _build, freqs_len, rot_dim)
+def cos_sin_table(freqs: torch.Tensor, freqs_len: int, rot_dim: int, as_read):
+    """as_read(cos, sin) of the tables for `freqs` (built on first use, kept with them: what the kernel reads of
+    them), or None where none may be used (see above)."""
+    return _cached(freqs, id(freqs), _build, freqs_len, rot_dim, as_read)
 
 
 def _build_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int, cp_rank: int) -> torch.Tensor:

@@ -71,11 +71,11 @@ def test_memo_keys_are_derived_from_every_tensor(monkeypatch):
 
 
 def test_signature_lists_what_triton_specializes_on():
-    """For each tensor: shape, strides, dtype, device, 16-byte alignment; for each flag its type and value (True
+    """For each tensor: shape, strides, dtype, device index, 16-byte alignment; for each flag its type and value (True
     and 1 differ); None stays None."""
     x = torch.zeros(2, 3)
     assert backend.signature("c", (x, None), (True, 1, "sbhd")) == (
-        "c", (True, 1, "sbhd"), (bool, int, str), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, None)
+        "c", (True, 1, "sbhd"), (bool, int, str), x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16, None)
     assert backend.signature("c", (), (True,)) != backend.signature("c", (), (1,))
 
 

@@ -367,7 +367,7 @@ def test_program_order_covers_every_row(tensor_format, b, h, dtype, source, inne
     freqs = make_freqs(s, d, gen)
     g = torch.randn(t.shape, generator=gen).to(dtype).to(DEVICE)
     layout = check_static(t, freqs, tensor_format, None, False, None, 1, 0, allow_float64=False)
-    angles = (_launch.table_angles(*_table._build(freqs, s, d)[1], half=False) if source == "table"
+    angles = (_table._build(freqs, s, d, lambda c, s_: _launch.table_angles(c, s_, half=False))[1] if source == "table"
               else _launch.freqs_angles(freqs, s))
     plan = _launch.make_plan(t, layout, tensor_format, False, False, 1, 0, angles, backward=False)
     n_groups, got_inner = plan.arg("n_groups"), plan.arg("inner")
@@ -405,7 +405,7 @@ def test_thd_table_programs(h, d, dtype, many, split, poison_outputs, gpu_decomp
     freqs = make_freqs(6, d, gen)
     g = torch.randn(t.shape, generator=gen).to(dtype).to(DEVICE)
     layout = check_static(t, freqs, "thd", None, False, cu, 1, 0, allow_float64=False)
-    table = _launch.table_angles(*_table._build(freqs, 6, d)[1], half=False)
+    table = _table._build(freqs, 6, d, lambda c, s_: _launch.table_angles(c, s_, half=False))[1]
     plan = _launch.make_plan(t, layout, "thd", False, False, 1, 0, table, backward=False)
     rows_per_program, block_r = plan.arg("rows_per_program"), plan.arg("BLOCK_R")
     assert (rows_per_program > block_r) == many and (rows_per_program < h) == split
