@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _launch, _memo, reference
+from . import _launch, _memo
 from ._checks import check_static
 from ._launch import INTERPRET, rotate, rotate_qk
 from ._request import Request
@@ -184,12 +184,6 @@ def on_kernel_device(x: torch.Tensor) -> bool:
     return x.is_cuda or (INTERPRET and x.is_cpu)
 
 
-def kernel_runs(x) -> bool:
-    """Whether the kernel runs for x, outside tracing (entry points other than TransformerEngine's trace as the
-    reference's PyTorch operations; TE's has a custom op for the trace)."""
-    return isinstance(x, torch.Tensor) and on_kernel_device(x) and not torch.compiler.is_compiling()
-
-
 class NormRotation(torch.autograd.Function):
     """Autograd of the fused op: the backward recomputes r from q and k (saved as given), docs/design.md. `state`: a
     `Request`, or a `Traced` call, whose backward is the custom op in the other direction (with q, k and the
@@ -228,18 +222,6 @@ def norm_rotate(qv, kv, q_weight, k_weight, call, angles, *, norm, eps, start_po
                                   pos_table, inplace)
 
 
-def rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, rows, interleaved, fp8=False,
-                     k_scale=None, v_scale=None) -> None:
-    """RoPE fused with the KV-cache write (`rope._launch.rotate_and_cache`'s arguments): the kernel, or its
-    definition in PyTorch (`rope.reference.rotate_and_cache`) where the kernel does not run."""
-    if kernel_runs(q):
-        _launch.rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, rows, interleaved, fp8,
-                                 k_scale, v_scale)
-        return
-    reference.rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, interleaved, fp8, k_scale,
-                               v_scale)
-
-
 # Conventions: what each front end registers, and the one decision between kernel, reference and trace.
 
 
@@ -253,20 +235,24 @@ class Convention(NamedTuple):
     - `reads(call, reads, flags)`: what the kernel reads, (angles, start_positions, token_index, pos_table), and for
       a `norm` convention (norm, eps) after them.
     - `reference(ts, reads, flags, backward) -> tuple`: the convention's PyTorch computation, new tensors (backward:
-      the inverse rotation, for a leaf written in place; conventions without one ignore it)."""
+      the inverse rotation, for a leaf written in place; conventions without one ignore it).
+    - `launch(ts, reads, flags)`, for a convention with a kernel of its own (RoPE fused with the KV-cache write, in
+      place and without a backward): that kernel, writing ts; `call` and `reads` are then unused, and `reference`
+      writes ts in place too."""
 
     name: str
     call: Callable
     reads: Callable
     reference: Callable
     norm: bool = False
+    launch: Callable = None
 
 
 CONVENTIONS: dict = {}
 
 
-def convention(name, call, reads, reference, norm=False) -> Convention:
-    conv = CONVENTIONS[name] = Convention(name, call, reads, reference, norm)
+def convention(name, call, reads, reference, norm=False, launch=None) -> Convention:
+    conv = CONVENTIONS[name] = Convention(name, call, reads, reference, norm, launch)
     return conv
 
 
@@ -309,6 +295,9 @@ def dispatch(conv: Convention, ts: tuple, reads: tuple = (), flags: tuple = (), 
         return _by_reference(conv, ts, reads, flags, inplace)
     if torch.compiler.is_compiling():
         return _traced(conv, ts, reads, flags, inplace)
+    if conv.launch is not None:
+        conv.launch(ts, reads, flags)
+        return ts
     if conv.norm:
         call = call or call_of(conv, ts[:2], reads, flags)
         angles, start, index, pos_table, norm, eps = conv.reads(call, reads, flags)
@@ -326,8 +315,8 @@ def _by_reference(conv, ts, reads, flags, inplace) -> tuple:
             return out if backward else t.copy_(out)
         return (write_leaf(ts[0], rotate_leaf),)
     outs = conv.reference(ts, reads, flags, False)
-    if inplace:
-        return tuple(x.copy_(o) for x, o in zip(ts[:len(outs)], outs, strict=True))
+    if inplace:  # a reference that writes in place returns ts themselves
+        return tuple(x if o is x else x.copy_(o) for x, o in zip(ts[:len(outs)], outs, strict=True))
     return outs
 
 
@@ -337,7 +326,7 @@ def _traced(conv, ts, reads, flags, inplace) -> tuple:
     # the angles and positions get no gradient (as in TransformerEngine's fused path)
     reads = tuple(None if r is None else r.detach() for r in reads)
     state = Traced(conv.name, reads, repr(flags))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+    if conv.launch is None and torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         if conv.norm:
             if not inplace:  # in place (vLLM's op) records no graph, as eagerly
                 return NormRotation.apply(state, *ts)
@@ -353,6 +342,9 @@ def _traced(conv, ts, reads, flags, inplace) -> tuple:
 def _kernel(conv, ts, reads, flags, backward, inplace) -> tuple:
     """The custom op's body: the launch of `dispatch`'s kernel path, without autograd (the op is recorded inside
     `Rotation`). A `norm` convention's backward takes (grad_q, grad_k, q, k, q_weight, k_weight)."""
+    if conv.launch is not None:
+        conv.launch(ts, reads, flags)
+        return ts
     if conv.norm:
         call = call_of(conv, ts[:2], reads, flags)
         angles, start, index, pos_table, norm, eps = conv.reads(call, reads, flags)

@@ -9,15 +9,13 @@ slot; nothing else in the caches is touched. A token without a slot is rotated a
   x / scale rounded to nearest even and saturated, with per-tensor float32 k_scale, v_scale).
 - `apply_rope_inplace_with_kvcache`: SGLang's flat token pool: k_cache, v_cache [pool_size, hk * d] or [pool_size,
   hk, d], out_loc [T] (a slot per token).
-Inference only (no backward). Under torch.compile each is an opaque custom op (the caches are written in place).
+Inference only (no backward). Under torch.compile each is rope's one in-place custom op, `torch.ops.rope.rotate_`
+(q, k and the caches written).
 """
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
-from ._backend import rotate_and_cache
+from . import _launch, reference
+from ._backend import convention, dispatch
 from ._checks import check_positions_in, check_sglang, check_slots_in, check_vllm
 
 
@@ -29,12 +27,10 @@ def rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_ma
     q, k, v, kc, vc, cos, sin, rows, fp8, ks, vs = check_vllm(positions, query, key, value, key_cache, value_cache,
                                                               slot_mapping, cos_sin_cache, is_neox, kv_cache_dtype,
                                                               k_scale, v_scale)
-    if torch.compiler.is_compiling():
-        return torch.ops.rope.rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping,
-                                             cos_sin_cache, is_neox, kv_cache_dtype, k_scale, v_scale)
     check_positions_in(positions, rows)
     check_slots_in(slot_mapping, kc.shape[0] * kc.shape[1], -1, "slot_mapping")
-    rotate_and_cache(q, k, v, kc, vc, slot_mapping, positions, cos, sin, rows, not is_neox, fp8, ks, vs)
+    dispatch(KV_CACHE, (q, k, kc, vc), (v, slot_mapping, positions, cos, sin, ks, vs), (not is_neox, fp8),
+             inplace=True)
     return None
 
 
@@ -45,40 +41,30 @@ def apply_rope_inplace_with_kvcache(q, k, v, k_cache, v_cache, cos_sin_cache, po
     stored at row out_loc[t] of the pools k_cache, v_cache in q's dtype; returns None."""
     qv, kv, vv, kc, vc, cos, sin, rows = check_sglang(q, k, v, k_cache, v_cache, cos_sin_cache, positions, out_loc,
                                                       is_neox, rope_dim)
-    if torch.compiler.is_compiling():
-        return torch.ops.rope.apply_rope_inplace_with_kvcache(q, k, v, k_cache, v_cache, cos_sin_cache, positions,
-                                                              out_loc, is_neox, rope_dim)
     check_positions_in(positions, rows)
     check_slots_in(out_loc, kc.shape[0], 0, "out_loc")
-    rotate_and_cache(qv, kv, vv, kc, vc, out_loc, positions, cos, sin, rows, not is_neox)
+    dispatch(KV_CACHE, (qv, kv, kc, vc), (vv, out_loc, positions, cos, sin, None, None), (not is_neox, False),
+             inplace=True)
     return None
 
 
-@torch.library.custom_op("rope::rope_and_cache", mutates_args=("query", "key", "key_cache", "value_cache"))
-def _rope_and_cache_op(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache_dtype: str,
-                       k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor]) -> None:
-    rope_and_cache(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox,
-                   kv_cache_dtype, k_scale, v_scale)
+# ts: q, k and the two caches, written; reads: v, the slots, the positions, the half tables cos and sin [rows, rot/2]
+# and the fp8 scales; flags: (interleaved, fp8).
+def _launch_kv_cache(ts, reads, flags) -> None:
+    q, k, key_cache, value_cache = ts
+    v, slots, positions, cos, sin, k_scale, v_scale = reads
+    _launch.rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, cos.shape[0], *flags,
+                             k_scale, v_scale)
 
 
-@_rope_and_cache_op.register_fake
-def _(*args):
-    return None
+def _reference_kv_cache(ts, reads, flags, backward) -> tuple:
+    q, k, key_cache, value_cache = ts
+    v, slots, positions, cos, sin, k_scale, v_scale = reads
+    reference.rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, *flags, k_scale, v_scale)
+    return ts
 
 
-@torch.library.custom_op("rope::apply_rope_inplace_with_kvcache", mutates_args=("q", "k", "k_cache", "v_cache"))
-def _sglang_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               cos_sin_cache: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor, is_neox: bool,
-               rope_dim: int) -> None:
-    apply_rope_inplace_with_kvcache(q, k, v, k_cache, v_cache, cos_sin_cache, positions, out_loc, is_neox=is_neox,
-                                    rope_dim=rope_dim)
-
-
-@_sglang_op.register_fake
-def _(*args):
-    return None
+KV_CACHE = convention("kv-cache", None, None, _reference_kv_cache, launch=_launch_kv_cache)
 
 
 __all__ = ["apply_rope_inplace_with_kvcache", "rope_and_cache"]

@@ -15,10 +15,8 @@ from rope import _memo
 from .cases import DEVICE
 
 ROPE = pathlib.Path(rope.__file__).parent
-# serving.py is not among them: its fused KV-cache write is a kernel of its own, traced as the two custom ops that
-# docs/contract.md (section 7) names, and rope._backend.rotate_and_cache decides its kernel or reference.
 FRONT_ENDS = ["hf.py", "vllm.py", "meta.py", "flash.py", "mrope.py", "torchtitan.py", "qknorm.py", "qknorm_te.py",
-              "cache.py", "functional.py", "embedding.py"]
+              "cache.py", "functional.py", "embedding.py", "serving.py"]
 # what deciding between the kernel and the reference takes: the rule, the trace question, and the launcher
 DECIDING = {"kernel_runs", "on_kernel_device", "is_compiling", "rotate", "rotate_qk", "apply", "norm_rotate",
             "call_for", "rotate_op"}
@@ -82,5 +80,5 @@ def test_signature_lists_what_triton_specializes_on():
 def test_every_convention_is_registered_once():
     """The custom op finds each convention by its name: one registry, names distinct, every front end's there."""
     assert {"hf", "vllm", "meta", "flash", "mrope", "torchtitan", "torchtitan-positions", "qknorm", "qknorm-cache",
-            "qknorm-te", "te"} <= set(backend.CONVENTIONS)
+            "qknorm-te", "te", "kv-cache"} <= set(backend.CONVENTIONS)
     assert all(name == conv.name for name, conv in backend.CONVENTIONS.items())

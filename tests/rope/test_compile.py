@@ -284,6 +284,26 @@ def _vllm(mrope):
     return f, [_rand(5, 2 * 8), _rand(5, 8, seed=1)]
 
 
+def _serving(form):
+    """RoPE fused with the KV-cache write, in place: q, k and both caches are returned (clones of the inputs, so that
+    each run starts from the same values)."""
+    cache = _vllm_cache()
+    pos = _positions(5)
+    v = _rand(5, 1, 8, seed=2)
+    slots = torch.tensor([3, -1, 0, 5, 1]).to(DEVICE) if form == "vllm" else torch.tensor([3, 6, 0, 5, 1]).to(DEVICE)
+
+    def f(query, key, key_cache, value_cache):
+        q, k, kc, vc = query.clone(), key.clone(), key_cache.clone(), value_cache.clone()
+        if form == "vllm":
+            rope.serving.rope_and_cache(pos, q, k, v, kc, vc, slots, cache, True)
+        else:
+            rope.serving.apply_rope_inplace_with_kvcache(q, k, v, kc, vc, cache, pos, slots, is_neox=False)
+        return q, k, kc, vc
+    caches = [_rand(2, 4, 1, 8, seed=3), _rand(2, 4, 1, 8, seed=4)] if form == "vllm" else \
+        [_rand(8, 1, 8, seed=3), _rand(8, 1, 8, seed=4)]
+    return f, [_rand(5, 2, 8), _rand(5, 1, 8, seed=1), *caches]
+
+
 def _titan(form, positions):
     q, k = _rand(5, 2, 8), _rand(5, 1, 8, seed=1)
     pos = _positions(5) if positions else None
@@ -354,6 +374,8 @@ CONVENTIONS = {
     "flash-inplace": (lambda: _flash(True), True),
     "vllm": (lambda: _vllm(False), False),
     "vllm-mrope": (lambda: _vllm(True), False),
+    "vllm-kv-cache": (lambda: _serving("vllm"), False),
+    "sglang-kv-cache": (lambda: _serving("sglang"), False),
     "torchtitan-complex": (lambda: _titan("complex", False), True),
     "torchtitan-complex-positions": (lambda: _titan("complex", True), True),
     "torchtitan-cossin": (lambda: _titan("cossin", False), True),

@@ -184,7 +184,7 @@ def test_apply_cache_mrope_stream_zero_only_is_caught(monkeypatch):
     streams still select sections, all at stream 0's position); the locality property above must fail."""
     import rope._launch as launch
 
-    if not rope._backend.kernel_runs(torch.empty(1, device=DEVICE)):
+    if not rope._backend.on_kernel_device(torch.empty(1, device=DEVICE)):
         pytest.skip("the PyTorch path has no launch to plant the bug in")
     strides = launch._pos_strides
     monkeypatch.setattr(launch, "_pos_strides", lambda positions: (0, *strides(positions)[1:]))
