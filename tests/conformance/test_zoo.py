@@ -173,6 +173,7 @@ CLASS_BUGS = [
     ("hf", "k_grad_batch_by_q_heads", "backward", {"cos_batch": False}),
     ("vllm-cache", "block_by_shift", "forward", {"npot_block_size": False}),
     ("torchtitan-cossin", "explicit_none_positions_as_zero", "forward", {"explicit_defaults": False}),
+    ("torchtitan-complex", "positions_read_dense", "forward", {"strides": False}),
 ]
 
 

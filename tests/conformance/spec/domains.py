@@ -147,6 +147,15 @@ def layouts(arg: str, cap: str = "strides", expanded: bool = False) -> tuple:
               if expanded else ()))
 
 
+def spaced(arg: str, cap: str = "strides") -> cls:
+    """The built argument `arg` with its last dim every other element (stride 2), as an index tensor sliced from a
+    wider one (`ids[:, 0]`): a reader of its data pointer as dense reads the elements between."""
+    def spaced_out(p, c):
+        t = c.args.get(arg)
+        return isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) > 1
+    return cls("every other element (last-dim stride 2)", spaced_out, cap)
+
+
 def flags(get: Callable, values=(False, True), names=None, cap: str = "", allowed: Callable = None) -> tuple:
     """One class per value of a flag (or any small set of values); `allowed(caps)`: the values the capabilities
     allow (a value outside is off), else `cap` switches the non-first values off when false."""

@@ -83,7 +83,8 @@ class TorchTitan(Convention):
                 draw(st.sampled_from((torch.int32, torch.int64) if caps["int32_positions"] else (torch.int64,))),
                 draw(st.booleans()) if caps.get("elementwise_tables") else True,
                 draw(layouts(3)) if strides else contiguous(3), draw(layouts(3)) if strides else contiguous(3),
-                draw(layouts(2)) if strides else contiguous(2), draw(layouts(1)) if strides else contiguous(1))
+                draw(layouts(2)) if strides else contiguous(2),
+                draw(layouts(1, spaced=True)) if strides else contiguous(1))
 
         return domains.with_explicit(draw(), caps)
 
@@ -207,5 +208,5 @@ def titan_domain(cache_dtypes: tuple, cache_cap: str = "") -> dict:
         "cache": (*cache_dtypes, *domains.layouts("cache"),
                   domains.cls("rows past the tokens", lambda p, c: p.rows > p.t)),
         "positions": (*domains.optional("positions", "a tensor [T]", "positions"),
-                      *domains.index_dtypes(lambda p: p.pos_dtype, "int32_positions")),
+                      *domains.index_dtypes(lambda p: p.pos_dtype, "int32_positions"), domains.spaced("positions")),
     }

@@ -22,6 +22,14 @@ def positions_ignored(query, key, cache, positions=None):
     return correct(query, key, cache)
 
 
+def positions_read_dense(query, key, cache, positions=None):
+    """positions read from their first element as if dense (a kernel handed positions.data_ptr() alone): right for
+    any positions whose elements are adjacent, wrong for a spaced view (ids[:, 0])."""
+    if positions is not None and positions.numel():
+        positions = torch.as_strided(positions, positions.shape, (1,), positions.storage_offset())
+    return correct(query, key, cache, positions)
+
+
 def positions_as_offset(query, key, cache, positions=None):
     """positions read as a start offset (Meta's start_pos): token t reads row positions[0] + t (the last row past
     the end)."""
@@ -85,6 +93,7 @@ def backward_not_conjugated(query, key, cache, positions=None):
 CORRECT = correct
 BUGS = {
     "positions_ignored": (positions_ignored, ("forward", "positions_gather")),
+    "positions_read_dense": (positions_read_dense, ("forward",)),
     "positions_as_offset": (positions_as_offset, ("forward", "tokens_independent", "positions_gather")),
     "key_ignores_positions": (key_ignores_positions, ("forward", "positions_gather", "swap_q_k")),
     "half_split_pairs": (half_split_pairs, ("forward",)),
