@@ -218,6 +218,26 @@ def lengths(few: tuple, empty: bool, top: int, small_shapes: bool) -> st.SearchS
     return st.sampled_from(few) if small_shapes else st.one_of(st.sampled_from(few), st.integers(1, top))
 
 
+def size(draw, low: int, top: int, empty: bool, rate: int = 8) -> int:
+    """Drawn by a plan strategy: a dim's size from `low` to `top`, or 0 (an empty tensor) where `empty`: about one
+    draw in `rate`, on the CPU and on a device alike, and in a run's first plan (Hypothesis starts from its simplest
+    choices: the gate's 0)."""
+    if empty and draw(st.integers(0, rate - 1)) == 0:
+        return 0
+    return draw(st.integers(low, top))
+
+
+def empty_dims(draw, empty: bool, dims: tuple, rate: int = 8, all_first: bool = True) -> tuple:
+    """Drawn by a plan strategy: which of `dims` (names) are 0, an empty tensor, () for none: about one plan in
+    `rate` where `empty`; then all of them or one. Hypothesis' simplest choice, a run's first plan, is all of them
+    (each dim's class drawn at once) or, without `all_first`, the first alone (where the other dims' simplest
+    sizes are classes the run must draw too)."""
+    if empty and draw(st.integers(0, rate - 1)) == 0:
+        one = tuple((d,) for d in dims)
+        return draw(st.sampled_from((tuple(dims), *one) if all_first else (*one, tuple(dims))))
+    return ()
+
+
 def explicit_defaults(draw, caps) -> bool:
     """Drawn by a plan strategy: whether the call passes its optional arguments at their defaults explicitly."""
     return draw(st.booleans()) if caps.get("explicit_defaults", True) else False

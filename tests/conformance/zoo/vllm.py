@@ -83,7 +83,7 @@ def key_none_aliases_query(positions, query, key, head_size, cos_sin_cache, is_n
 
 def batched_positions_first_row(positions, query, key, head_size, cos_sin_cache, is_neox):
     """positions [b, s] indexed by the sequence index only: every batch row reads positions[0]."""
-    pos = positions[0].repeat(positions.shape[0]) if positions.dim() == 2 else positions
+    pos = positions[:1].expand_as(positions).reshape(-1) if positions.dim() == 2 else positions
     rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox, pos=pos)
 
 

@@ -27,7 +27,8 @@ def tables(positions, cache, mrope_section, mrope_interleaved, tokens, first_row
 
 def rotated(x, cos, sin, head_size, is_neox, math_dtype=torch.float32, partner_offset=None):
     """x [T, h * d] or [T, h, d] rotated over its first rot = 2 * cos.shape[-1] channels (a new tensor)."""
-    xf = x.to(math_dtype).reshape(x.shape[0], -1, head_size)
+    heads = x.shape[1] if x.dim() == 3 else x.shape[-1] // head_size  # named: T may be 0
+    xf = x.to(math_dtype).reshape(x.shape[0], heads, head_size)
     half = cos.shape[-1]
     c, s = cos[:, None].to(math_dtype), sin[:, None].to(math_dtype)
     if is_neox:
