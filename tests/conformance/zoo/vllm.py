@@ -30,7 +30,8 @@ def addressed(x, lead_ndim, head_size, strides=None, extra_heads=0):
     tokens = 1
     for n in x.shape[:lead_ndim]:
         tokens *= n
-    heads = x.numel() // max(tokens * head_size, 1) + extra_heads
+    # from the shape ([..., h, d] or [..., h * d]), not the element count: without tokens there is none
+    heads = (x.shape[-2] if x.dim() == lead_ndim + 2 else x.shape[-1] // head_size) + extra_heads
     tok, head, chan = strides or strides_of(x, lead_ndim, head_size)
     dev = x.device
     idx = (x.storage_offset() + torch.arange(tokens, device=dev)[:, None, None] * tok
