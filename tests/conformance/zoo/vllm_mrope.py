@@ -130,8 +130,18 @@ def reads_as_contiguous(positions, query, key, head_size, cos_sin_cache, mrope_s
     return query, key
 
 
+def empty_returns_none(positions, query, key, head_size, cos_sin_cache, mrope_section, is_neox=True,
+                       mrope_interleaved=False):
+    """An early exit for T = 0 that returns nothing (as vLLM's in-place `rotary_embedding` op does), not (query,
+    key): only an empty input exposes it."""
+    if not query.shape[0]:
+        return None
+    return correct(positions, query, key, head_size, cos_sin_cache, mrope_section, is_neox, mrope_interleaved)
+
+
 CORRECT = correct
 BUGS = {
+    "empty_returns_none": (empty_returns_none, ("forward",)),
     "first_row_positions": (first_row_positions, ("forward",)),
     "key_none_rotates_query_twice": (key_none_rotates_query_twice, ("forward", "key_none")),
     "new_tensors_promised_in_place": (new_tensors_promised_in_place, ("forward",)),
