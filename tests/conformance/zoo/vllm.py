@@ -57,13 +57,14 @@ def rotate_stored(store, idx, cos, sin, interleaved, math_dtype=torch.float32):
 
 
 def rotate_all(positions, query, key, head_size, cache, is_neox, pos=None, math_dtype=torch.float32,
-               table_interleaved=None, extra_heads=0, key_strides=None):
+               table_interleaved=None, extra_heads=0, key_strides=None, heads=slice(None)):
     pos = positions.reshape(-1) if pos is None else pos
     interleaved = not is_neox
     cos, sin = tables(pos, cache, interleaved if table_interleaved is None else table_interleaved, math_dtype)
     for x, strides in ((query, None), (key, key_strides)):
         if x is not None:
             store, idx = addressed(x, positions.dim(), head_size, strides, extra_heads)
+            idx = idx[:, heads]
             rotate_stored(store, idx, cos, sin, interleaved, math_dtype)
 
 
@@ -137,7 +138,10 @@ def math_in_query_dtype(positions, query, key, head_size, cos_sin_cache, is_neox
 def one_head_too_many(positions, query, key, head_size, cos_sin_cache, is_neox):
     """The head loop runs to h inclusive: the memory after each token's last head (the next head of a packed
     qkv, the next token, padding) is rotated too."""
-    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox, extra_heads=1)
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox)
+    # the extra head after every other (one write order: with a single pass the extra head's writes and the next
+    # token's own land on the same memory in an order index_put does not fix, and the verdict varied run to run)
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox, extra_heads=1, heads=slice(-1, None))
 
 
 CORRECT = correct
