@@ -227,6 +227,45 @@ def lengths(few: tuple, empty: bool, top: int, small_shapes: bool) -> st.SearchS
     return st.sampled_from(few) if small_shapes else st.one_of(st.sampled_from(few), st.integers(1, top))
 
 
+def size(draw, low: int, top: int, empty: bool, rate: int = 8) -> int:
+    """Drawn by a plan strategy: a dim's size from `low` to `top`, or 0 (an empty tensor) where `empty`: about one
+    draw in `rate`, on the CPU and on a device alike, and in a run's first plan (Hypothesis starts from its simplest
+    choices: the gate's 0)."""
+    if empty and draw(st.integers(0, rate - 1)) == 0:
+        return 0
+    return draw(st.integers(low, top))
+
+
+def empty_dims(draw, empty: bool, dims: tuple, rate: int = 8, all_first: bool = True, first: bool = True) -> tuple:
+    """Drawn by a plan strategy: which of `dims` (names) are 0, an empty tensor, () for none: about one plan in
+    `rate` where `empty`; then all of them or one. Hypothesis' simplest choice, a run's first plan, is empty (without
+    `first`: not, where the simplest plan is a class the run must draw too), with all of them (each dim's class drawn
+    at once) or, without `all_first`, the first alone (where the other dims' simplest sizes are such classes)."""
+    if empty and draw(st.integers(0, rate - 1)) == (0 if first else rate - 1):
+        one = tuple((d,) for d in dims)
+        return draw(st.sampled_from((tuple(dims), *one) if all_first else (*one, tuple(dims))))
+    return ()
+
+
+def with_empty(plans: st.SearchStrategy, caps, zero: Callable, dims: tuple, rate: int = 8,
+               all_first: bool = True, first: bool = True) -> st.SearchStrategy:
+    """`plans`, about one in `rate` (where the capability `empty` allows it) with some of `dims` 0 (empty_dims):
+    `zero(plan, names)` gives the plan with those dims 0. Drawn after the plan, so that its other choices stay as
+    they were."""
+    @st.composite
+    def draw(draw):
+        plan = draw(plans)
+        names = empty_dims(draw, caps.get("empty", False), dims, rate, all_first, first)
+        return zero(plan, names) if names else plan
+
+    return draw()
+
+
+def zeroed(plan, names):
+    """The plan with the fields `names` 0 (with_empty's default `zero`)."""
+    return plan._replace(**{n: 0 for n in names})
+
+
 def explicit_defaults(draw, caps) -> bool:
     """Drawn by a plan strategy: whether the call passes its optional arguments at their defaults explicitly."""
     return draw(st.booleans()) if caps.get("explicit_defaults", True) else False

@@ -47,6 +47,11 @@ class Plan(NamedTuple):
     offsets_layout: Layout
     leaf: bool = False  # with inplace, the backward property passes x as a leaf that requires grad
     explicit_defaults: bool = False  # the optional arguments passed where they hold their defaults
+    no_batch: bool = False  # without varlen: x [0, s, h, d] (lengths holds the one s; a tensor offset has none)
+
+    @property
+    def batch(self) -> int:
+        return 0 if self.no_batch else len(self.lengths)
 
 
 def limits():
@@ -58,8 +63,9 @@ def limits():
 def rows_needed(varlen: bool, lengths: tuple, max_seqlen, offsets) -> int:
     """seqlen_ro that flash-attention asserts, and that every token's row fits in."""
     span = max_seqlen if varlen else lengths[0]
-    if isinstance(offsets, tuple):
-        return max(span, *(o + n for o, n in zip(offsets, lengths, strict=True)))
+    if isinstance(offsets, tuple):  # without varlen every sequence is span long (and there may be none)
+        ends = [o + n for o, n in zip(offsets, lengths, strict=True)] if varlen else [o + span for o in offsets]
+        return max([span, *ends])
     return span + (offsets or 0)
 
 
@@ -83,6 +89,7 @@ class Flash(Convention):
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
         "mixed_tables": (True, "cos/sin in the other 16-bit dtype than x (float16 with bfloat16, the reverse), or "
                                "16-bit with float32 x"),
+        "empty": (True, "x [b, s, h, d] without elements: s = 0 or b = 0"),
     }
     OPTIONAL = {"interleaved": False, "inplace": False, "seqlen_offsets": 0, "cu_seqlens": None, "max_seqlen": None}
 
@@ -94,6 +101,7 @@ class Flash(Convention):
             dtype = draw(st.sampled_from(caps["dtypes"]))
             table_dtype = draw(st.sampled_from(domains.table_dtypes(dtype, caps)))
             varlen = draw(st.booleans()) if caps["varlen"] else False
+            zero = domains.empty_dims(draw, caps["empty"], ("s", "b"), 10)  # [b, s, h, d] only (below)
             n = draw(st.integers(1, lim["n"]))
             if varlen:
                 low = 0 if caps["empty_sequences"] else 1
@@ -112,7 +120,7 @@ class Flash(Convention):
             strides = caps["strides"]
             ndim = 3 if varlen else 4
             inplace = draw(st.booleans()) if caps["inplace"] else False
-            return Plan(
+            p = Plan(
                 draw(seeds()), dtype, table_dtype, varlen, lengths, draw(st.integers(1, lim["h"])), d, rot,
                 draw(st.sampled_from(caps["interleaved"])), inplace,
                 offsets, draw(st.sampled_from((torch.int32, torch.int64))), rows, max_seqlen,
@@ -121,11 +129,19 @@ class Flash(Convention):
                 draw(layouts(1)) if strides else contiguous(1),
                 draw(st.booleans()) if inplace and caps["inplace_leaf"] else False,
                 domains.explicit_defaults(draw, caps))
+            # [b, s, h, d] with s = 0, b = 0 or both (drawn above)
+            zero = () if p.varlen else zero
+            if "s" in zero:
+                p = p._replace(lengths=(0,) * len(p.lengths), rows=p.rows - p.lengths[0])
+            if "b" in zero:  # lengths keeps the one s; a tensor offset has no element
+                offsets = () if isinstance(p.offsets, tuple) else p.offsets
+                return p._replace(lengths=p.lengths[:1], offsets=offsets, no_batch=True)
+            return p
 
         return draw()
 
     def build(self, p: Plan, arena) -> Case:
-        shape = (sum(p.lengths), p.h, p.d) if p.varlen else (len(p.lengths), p.lengths[0], p.h, p.d)
+        shape = (sum(p.lengths), p.h, p.d) if p.varlen else (p.batch, p.lengths[0], p.h, p.d)
         x = arena.randn(shape, p.dtype, p.x_layout)
         theta = arena.angles((p.rows, p.rot // 2))
         cos = arena.place(torch.cos(theta).to(p.table_dtype), p.cos_layout)
@@ -194,6 +210,13 @@ def assert_close(what, got, want, rot, interleaved, caps, roundings=3.0):
     assert_within(what, got, want, want, rot, interleaved, roundings, caps.get("accuracy", "float32"))
 
 
+def first_offset(plan) -> int:
+    """The first sequence's offset (0 where there is none: the default, or a tensor offset of b = 0)."""
+    if isinstance(plan.offsets, tuple):
+        return plan.offsets[0] if plan.offsets else 0
+    return plan.offsets or 0
+
+
 def inplace_equals_out_of_place(conv, fn, caps, plan):
     """inplace=True writes into x exactly what inplace=False returns."""
     if not caps["inplace"]:
@@ -209,8 +232,8 @@ def int_offset_equals_tensor(conv, fn, caps, plan):
     """An int seqlen_offsets k equals the tensor [k] * b (in either index dtype), and k = 0 the default."""
     if not caps["tensor_offsets"]:
         return
-    k = plan.offsets[0] if isinstance(plan.offsets, tuple) else plan.offsets or 0
-    n = len(plan.lengths)
+    k = first_offset(plan)
+    n = plan.batch
     as_int = plan._replace(offsets=k)
     rows = max(plan.rows, rows_needed(plan.varlen, plan.lengths, plan.max_seqlen, k))
     case, want = call(fn, caps, as_int._replace(rows=rows))
@@ -226,7 +249,7 @@ def int_offset_equals_tensor(conv, fn, caps, plan):
 
 def offset_is_table_shift(conv, fn, caps, plan):
     """An int seqlen_offsets k reads the rows of cos[k:], sin[k:] with offset 0 (token j reads row j + k)."""
-    k = plan.offsets[0] if isinstance(plan.offsets, tuple) else plan.offsets or 0
+    k = first_offset(plan)
     k = max(k, 1)
     rows = max(plan.rows, rows_needed(plan.varlen, plan.lengths, plan.max_seqlen, k))
     shifted = plan._replace(offsets=k, rows=rows)
@@ -243,8 +266,8 @@ def varlen_one_sequence_equals_batch(conv, fn, caps, plan):
     if not caps["varlen"]:
         return
     s = max(plan.lengths[0], 1)
-    offsets = plan.offsets[:1] if isinstance(plan.offsets, tuple) else plan.offsets
-    one = plan._replace(lengths=(s,), offsets=offsets)
+    offsets = (plan.offsets[:1] or (0,)) if isinstance(plan.offsets, tuple) else plan.offsets
+    one = plan._replace(lengths=(s,), offsets=offsets, no_batch=False)
     rows = max(plan.rows, rows_needed(True, (s,), s, offsets))
     case, want = call(fn, caps, one._replace(varlen=False, max_seqlen=None, rows=rows, x_layout=contiguous(4)))
     want = result_of(case, want)
@@ -314,6 +337,8 @@ Flash.DOMAIN = {
           domains.cls("[total, h, d] (varlen)", lambda p, c: p.varlen, "varlen"),
           domains.cls("a sequence of length 0", lambda p, c: p.varlen and 0 in p.lengths, "empty_sequences"),
           *domains.sizes(lambda p: p.lengths[0], "", "the first sequence's length", empty=False),
+          domains.cls("s = 0 (empty [b, s, h, d])", lambda p, c: not p.varlen and p.lengths[0] == 0, "empty"),
+          domains.cls("b = 0 (empty [b, s, h, d])", lambda p, c: not p.varlen and p.batch == 0, "empty"),
           domains.cls("a leaf that requires grad (inplace)", lambda p, c: p.leaf, "inplace_leaf")),
     "cos": _tables_domain("cos"),
     "sin": _tables_domain("sin"),

@@ -77,8 +77,9 @@ def expect_cache(old64, mask, token, x64, rot, interleaved, scale, fp8, model_dt
     from . import Expect
 
     n, h, d = old64.shape
-    new = x64[token]  # [n_slots, h, d]; rows of unwritten slots are discarded below
-    src = (new if source64 is None else source64[token]).clone()
+    # [n_slots, h, d]; rows of unwritten slots are discarded below (all of them without tokens: x64 has no row)
+    new = x64[token] if x64.shape[0] else x64.new_zeros(n, h, d)
+    src = (new if source64 is None else source64[token] if x64.shape[0] else new).clone()
     if fp8:
         s = float(scale)
         head = (new[..., :rot] / s).clamp(-FP8_MAX, FP8_MAX)
@@ -112,8 +113,12 @@ class KVCacheConvention(Convention):
         a = self.ARGS
         return (a["q"], a["k"], a["kc"], a["vc"]), None
 
+    def head_count(self, p, name) -> int:
+        """q's heads (hq) or k's and v's (hk): a reshape to [T, h, d] names it (with T = 0, -1 could be any)."""
+        return p.hq if name == self.ARGS["q"] else p.hk
+
     def heads(self, case, name, t):
-        return t.reshape(case.plan.t, -1, case.plan.d)
+        return t.reshape(case.plan.t, self.head_count(case.plan, name), case.plan.d)
 
     def read(self, case, name, t):
         p, a = case.plan, self.ARGS
@@ -124,7 +129,7 @@ class KVCacheConvention(Convention):
     def define(self, case, x64):
         p, a = case.plan, self.ARGS
         rows = x64["cos_sin_cache"][x64["positions"]]
-        q, k, v = (x64[a[n]].reshape(p.t, -1, p.d) for n in ("q", "k", "v"))
+        q, k, v = (x64[a[n]].reshape(p.t, self.head_count(p, a[n]), p.d) for n in ("q", "k", "v"))
         q_rot, k_rot = rotate64(q, rows, p.rot, p.is_neox), rotate64(k, rows, p.rot, p.is_neox)
         mask, token = written(x64[a["slots"]], p.n_slots)
         cdt = FP8 if p.fp8 else p.dtype

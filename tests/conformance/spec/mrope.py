@@ -64,6 +64,7 @@ class MRoPE(Convention):
         "int32_positions": (True, "int32 positions as well as int64"),
         "backward": (True, "the gradient for t"),
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
+        "empty": (True, "no tokens: a token dim of 0 (T, s or b), t and positions without elements"),
     }
 
     OPTIONAL = {"tensor_format": "thd", "interleaved": False, "mrope_interleaved": False}
@@ -76,8 +77,8 @@ class MRoPE(Convention):
         def draw(draw):
             explicit = domains.explicit_defaults(draw, caps)
             fmt = draw(st.sampled_from(caps["formats"]))
-            lead = (draw(st.integers(1, lim["t"])),) if fmt == "thd" else \
-                (draw(st.integers(1, lim["s"])), draw(st.integers(1, lim["b"])))
+            dims = ("t",) if fmt == "thd" else ("s", "b")
+            lead = tuple(draw(st.integers(1, lim[n])) for n in dims)
             if fmt == "bshd":
                 lead = lead[::-1]
             d = draw(st.sampled_from(lim["dims"]))
@@ -85,6 +86,8 @@ class MRoPE(Convention):
             mrope_interleaved = draw(st.sampled_from(caps["mrope_interleaved"]))
             strides = caps["strides"]
             ndim = len(lead) + 2
+            zero = domains.empty_dims(draw, caps["empty"], dims)  # drawn last: the other choices stay as they were
+            lead = tuple(0 if n in zero else size for n, size in zip(dims, lead, strict=True))
             return Plan(
                 draw(seeds()), draw(st.sampled_from(caps["dtypes"])), fmt, lead, draw(st.integers(1, lim["h"])), d, d2,
                 draw(st.integers(1, lim["rows"])), draw(st.sampled_from(caps["interleaved"])), mrope_interleaved,
@@ -210,7 +213,7 @@ CONVENTION = MRoPE()
 MRoPE.DOMAIN = {
     "t": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("t"),
           *domains.odd_heads(lambda p: p.h, cap=""),
-          *domains.sizes(lambda p: p.lead[0], "", "first token dim", empty=False)),
+          *domains.sizes(lambda p: p.lead[0], "empty", "first token dim")),
     "freqs": (*domains.layouts("freqs"), *domains.widths(lambda p: (p.d2, p.d)),
               domains.cls("pairs share an angle", lambda p, c: p.pair_angles),
               domains.cls("one angle per channel", lambda p, c: not p.pair_angles, "elementwise_freqs")),

@@ -61,6 +61,7 @@ class QKNorm(Convention):
         "accuracy": ("float32", "accuracy model (accuracy.py, qknorm_math.py)"),
         "mixed_tables": (True, "cos/sin in the other 16-bit dtype than q (float16 with bfloat16, the reverse), or "
                                "16-bit with float32 q"),
+        "empty": (True, "s = 0: empty q, k, cos and sin"),
     }
     OPTIONAL = {"eps": 1e-6, "unsqueeze_dim": 1, "interleaved": False, "gemma": False}
 
@@ -86,7 +87,7 @@ class QKNorm(Convention):
                 draw(layouts(4)) if strides else contiguous(4),
                 draw(st.one_of(layouts(3, padded_dims=(1, 2)), st.just("expanded"))) if strides else contiguous(3))
 
-        return domains.with_explicit(draw(), caps)
+        return domains.with_explicit(domains.with_empty(draw(), caps, domains.zeroed, ("s",)), caps)
 
     def build(self, p: Plan, arena, weights=None) -> Case:
         def heads(h):
@@ -262,7 +263,7 @@ def _tables(arg: str) -> tuple:
 
 QKNorm.DOMAIN = {
     "q": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("q"), *domains.odd_heads(lambda p: p.d),
-          *domains.sizes(lambda p: p.s, "", "s", empty=False)),
+          *domains.sizes(lambda p: p.s, "empty", "s")),
     "k": (*domains.layouts("k"), *domains.head_counts(lambda p: (p.hq, p.hk), cap="")),
     "q_weight": _weights(),
     "k_weight": _weights(),

@@ -76,6 +76,7 @@ class QKNormCache(Convention):
         "strides": (True, "q, k, cos_sin_cache and positions as views"),
         "messages": (True, "bad input refused with TypeError/ValueError whose message starts with the argument"),
         "accuracy": ("float32", "accuracy model (accuracy.py, qknorm_math.py)"),
+        "empty": (True, "no tokens: T = 0 (q, k and positions without elements)"),
     }
     grad_scale = QKNorm.grad_scale
 
@@ -111,7 +112,7 @@ class QKNormCache(Convention):
                 draw(layouts(2)) if strides else contiguous(2),
                 draw(layouts(2 if streams else 1)) if strides else contiguous(2 if streams else 1))
 
-        return domains.with_explicit(draw(), caps)
+        return domains.with_explicit(domains.with_empty(draw(), caps, domains.zeroed, ("t",), first=False), caps)
 
     def build(self, p: Plan, arena, weights=None) -> Case:
         def heads(h, layout):
@@ -180,7 +181,7 @@ def tokens_independent(conv, fn, caps, plan):
 def mrope_stream_locality(conv, fn, caps, plan):
     """Multimodal positions: moving stream m's positions (m = 1 or 2, one that owns pairs) changes the channels of
     the pairs of m's section and leaves every other channel bitwise as it was."""
-    if not caps["mrope"]:
+    if not caps["mrope"] or not plan.t:  # without tokens no position moves anything
         return
     half = plan.rot // 2
     p = plan._replace(streams=True, positions_layout=contiguous(2))
@@ -240,7 +241,7 @@ def _dtype_pair(get, cap) -> tuple:
 
 QKNormCache.DOMAIN = {
     "q": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("q"), *domains.odd_heads(lambda p: p.d),
-          *domains.sizes(lambda p: p.t, "", "tokens", empty=False)),
+          *domains.sizes(lambda p: p.t, "empty", "tokens")),
     "k": (*domains.layouts("k"), *domains.head_counts(lambda p: (p.hq, p.hk), cap="")),
     "q_weight": _dtype_pair(lambda p: (p.dtype, p.weight_dtype), "weight_dtypes"),
     "k_weight": _dtype_pair(lambda p: (p.dtype, p.weight_dtype), "weight_dtypes"),

@@ -69,6 +69,7 @@ class SGLangCache(kvc.KVCacheConvention):
         "pool_forms": (True, "pools [pool, hk, d] as well as [pool, hk * d], v as [T, hk * d] too"),
         "int32_indices": (True, "int32 positions and out_loc as well as int64"),
         "accuracy": ("float32", "accuracy model (accuracy.py)"),
+        "empty": (True, "no tokens: T = 0 (q, k, v, positions and out_loc without elements)"),
     }
     OPTIONAL = {"rope_dim": 0}
 
@@ -96,7 +97,7 @@ class SGLangCache(kvc.KVCacheConvention):
                 forms and draw(st.booleans()), t + draw(st.integers(0, lim["pool"])), forms and draw(st.booleans()),
                 draw(st.sampled_from((0, 0, 3))) if strides else 0, rope_dim_given=draw(st.booleans()))
 
-        return domains.with_explicit(draw(), caps)
+        return domains.with_explicit(domains.with_empty(draw(), caps, domains.zeroed, ("t",)), caps)
 
     def build(self, p: Plan, arena) -> Case:
         positions = arena.place(arena.integers(0, p.rows, (p.t,), p.index_dtypes[0]))
@@ -108,7 +109,7 @@ class SGLangCache(kvc.KVCacheConvention):
         else:
             q, k, v = (arena.randn((p.t, h, p.d), p.dtype) for h in (p.hq, p.hk, p.hk))
         if p.v_flat:
-            v = v.flatten(1) if v.is_contiguous() else v.reshape(p.t, -1)
+            v = v.flatten(1) if v.is_contiguous() else v.reshape(p.t, p.hk * p.d)
         width = p.hk * p.d
 
         def pool():
@@ -136,7 +137,7 @@ def _pool_domain() -> tuple:
 SGLangCache.DOMAIN = {
     "q": (*domains.dtypes(lambda p: p.dtype), domains.cls("its own buffer", lambda p, c: not p.packed),
           domains.cls("a head slice of a packed qkv", lambda p, c: p.packed, "strides"),
-          *domains.sizes(lambda p: p.t, "", "tokens", empty=False)),
+          *domains.sizes(lambda p: p.t, "empty", "tokens")),
     "k": domains.head_counts(lambda p: (p.hq, p.hk)),
     "v": (domains.cls("[T, hk, d]", lambda p, c: not p.v_flat),
           domains.cls("[T, hk * d]", lambda p, c: p.v_flat, "pool_forms")),

@@ -68,6 +68,13 @@ def lead_shape(p: Plan) -> tuple:
     return (p.s, p.b) if p.tensor_format == "sbhd" else (p.b, p.s)
 
 
+def no_tokens(p: Plan, names) -> Plan:
+    """The plan without tokens (domains.with_empty): s = 0 or b = 0, or for thd every sequence empty."""
+    if p.tensor_format == "thd":
+        return p._replace(lengths=(0,) * len(p.lengths))
+    return p._replace(**{n: 0 for n in names})
+
+
 def cu_of(lengths) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
 
@@ -91,6 +98,7 @@ class TEQKNorm(Convention):
         "strides": (True, "q, k and freqs as views (permuted, padded)"),
         "messages": (True, "bad input refused with TypeError/ValueError whose message starts with the argument"),
         "accuracy": ("float32", "accuracy model (accuracy.py, qknorm_math.py)"),
+        "empty": (True, "no tokens: s = 0 or b = 0 (sbhd, bshd), thd whose sequences are all empty"),
     }
     grad_scale = QKNorm.grad_scale
 
@@ -113,6 +121,8 @@ class TEQKNorm(Convention):
             unit = 2 * cp if cp > 1 else 1  # thd: each sequence splits into 2 cp_size chunks
             lengths = tuple(unit * n for n in draw(st.lists(st.integers(0, lim["len"]), min_size=1,
                                                             max_size=lim["n"]))) if fmt == "thd" else ()
+            if lengths and not sum(lengths) and not caps["empty"]:  # tokens, where empty tensors are not drawn
+                lengths = (unit, *lengths[1:])
             hq = draw(st.integers(1, lim["h"]))
             nd = 3 if fmt == "thd" else 4
             strides = caps["strides"]
@@ -128,7 +138,8 @@ class TEQKNorm(Convention):
                 draw(layouts(nd)) if strides else contiguous(nd), draw(layouts(nd)) if strides else contiguous(nd),
                 draw(layouts(4)) if strides else contiguous(4))
 
-        return domains.with_explicit(draw(), caps)
+        return domains.with_explicit(domains.with_empty(draw(), caps, no_tokens, ("b", "s"), all_first=False),
+                                     caps)
 
     def build(self, p: Plan, arena, weights=None) -> Case:
         lead = lead_shape(p)
@@ -143,7 +154,10 @@ class TEQKNorm(Convention):
         thd = p.tensor_format == "thd"
         cu = cu_of(p.lengths) if thd else None
         start = arena.integers(0, 4, (len(p.lengths) if thd else p.b,)) if p.start_dtype is not None else None
-        pos = token_positions((*lead, p.hq, p.d), p.tensor_format, start, cu, p.cp_size, p.cp_rank)
+        # freqs reach every position: of s tokens even where b = 0 (TE checks s against freqs' rows)
+        tokens = lead if thd or p.b else lead_shape(p._replace(b=1))
+        pos = token_positions((*tokens, p.hq, p.d), p.tensor_format, start if thd or p.b else None, cu, p.cp_size,
+                              p.cp_rank)
         rows = (int(pos.max()) + 1 if pos.numel() else 1) + p.extra_rows  # freqs reach every position
         theta = pairing.per_channel(arena.angles((rows, p.rot // 2)), p.interleaved) if p.equal_halves else \
             arena.angles((rows, p.rot))
@@ -320,7 +334,11 @@ def _weight_domain() -> tuple:
 
 TEQKNorm.DOMAIN = {
     "q": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("q"),
-          *domains.odd_heads(lambda p: p.d)),
+          *domains.odd_heads(lambda p: p.d),
+          domains.cls("s = 0 (empty)", lambda p, c: p.tensor_format != "thd" and p.s == 0, "empty"),
+          domains.cls("b = 0 (empty)", lambda p, c: p.tensor_format != "thd" and p.b == 0, "empty"),
+          domains.cls("thd without tokens (empty)", lambda p, c: p.tensor_format == "thd" and not sum(p.lengths),
+                      "empty")),
     "k": (*domains.layouts("k"), *domains.head_counts(lambda p: (p.hq, p.hk), cap="")),
     "q_weight": _weight_domain(),
     "k_weight": _weight_domain(),

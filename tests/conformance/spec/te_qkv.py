@@ -97,6 +97,7 @@ class TEQKV(Convention):
         "strides": (True, "qkv and the freqs as views (permuted, padded); TE's function needs them contiguous"),
         "backward": (True, "the gradient of qkv"),
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
+        "empty": (True, "qkv without elements: s = 0 or b = 0"),
     }
     INVARIANTS: dict = {}  # filled below
 
@@ -111,7 +112,7 @@ class TEQKV(Convention):
         def draw(draw):
             cp_size = draw(st.sampled_from((1, 1, 2, 3))) if caps["context_parallel"] else 1
             s = draw(st.integers(1, lim["s"]))
-            if cp_size > 1:
+            if cp_size > 1 and s:
                 s = 2 * max(1, s // 2)  # two chunks of s / 2 tokens
             nk = draw(st.sampled_from(lim["nk"]))
             d2 = draw(st.sampled_from(range(2, nk + 1, 2))) if caps["partial"] and draw(st.booleans()) else nk
@@ -130,7 +131,13 @@ class TEQKV(Convention):
                 draw(layouts(4)) if caps["strides"] else contiguous(4),
                 draw(layouts(4)) if caps["strides"] else contiguous(4))
 
-        return domains.with_explicit(draw(), caps)
+        @st.composite
+        def with_empty(draw):  # drawn last: the other choices stay as they were
+            p = draw(plain)
+            return p._replace(**{n: 0 for n in domains.empty_dims(draw, caps["empty"], ("b", "s"), all_first=False)})
+
+        plain = draw()
+        return domains.with_explicit(with_empty(), caps)
 
     def backward_plan(self, plan, caps):
         return plan if caps["backward_start_positions"] else plan._replace(start_dtype=None)
@@ -148,7 +155,10 @@ class TEQKV(Convention):
         shape = (p.s, p.b, p.h, width) if p.tensor_format == "sbhd" else (p.b, p.s, p.h, width)
         qkv = arena.randn(shape, p.dtype, p.qkv_layout)
         start = arena.integers(0, 4, (p.b,)) if p.start_dtype is not None else None
-        last = int(positions_of(p, start).max())  # freqs must reach every position
+        # freqs must reach every position: of s tokens even where b = 0 (TE checks s against freqs' rows), none
+        # where s = 0
+        pos = positions_of(p._replace(b=max(p.b, 1)), start if p.b else None)
+        last = int(pos.max()) if pos.numel() else -1
         args = dict(qkv=qkv, q_freqs=self.freqs(p, arena, last + 1 + p.q_rows),
                     k_freqs=self.freqs(p, arena, last + 1 + p.k_rows),
                     qkv_split_arg_list=[p.groups * p.nk, p.nk, p.nv], tensor_format=p.tensor_format)
@@ -293,7 +303,8 @@ def _freqs_domain(arg: str) -> tuple:
 
 TEQKV.DOMAIN = {
     "qkv": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("qkv"),
-            *domains.sizes(lambda p: p.s, "", "s", empty=False)),
+            *domains.sizes(lambda p: p.s, "empty", "s"),
+            domains.cls("b = 0 (empty)", lambda p, c: p.b == 0, "empty")),
     "q_freqs": _freqs_domain("q_freqs"),
     "k_freqs": domains.layouts("k_freqs"),
     "qkv_split_arg_list": (domains.cls("nq = nk", lambda p, c: p.groups == 1),

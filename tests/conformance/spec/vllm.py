@@ -72,6 +72,11 @@ def positions_layouts(ndim: int):
     return st.one_of(layouts(ndim), st.just(Layout((1, 0), (0, 0)))) if ndim == 2 else layouts(ndim)
 
 
+def head_count(p: Plan, name: str) -> int:
+    """query's or key's head count (a reshape to [T, h, d] names it: with T = 0, -1 could be any)."""
+    return p.hq if name == "query" else p.hk
+
+
 def divisors(n: int) -> tuple:
     return tuple(k for k in range(1, n + 1) if n % k == 0)
 
@@ -97,6 +102,7 @@ class VLLM(Convention):
         "int32_positions": (True, "int32 positions as well as int64"),
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math "
                                 "(vLLM's kernel multiplies in the query's dtype)"),
+        "empty": (True, "no tokens: positions [0] (or [b, s] with b or s 0), query and key without elements"),
     }
 
     def plans(self, caps):
@@ -107,8 +113,8 @@ class VLLM(Convention):
             dtype = draw(st.sampled_from(caps["dtypes"]))
             cache_dtype = draw(st.sampled_from(DTYPES)) if caps["cache_dtypes"] == "any" else dtype
             batched = caps["batched_positions"] and draw(st.booleans())
-            lead = (draw(st.integers(1, lim["b"])), draw(st.integers(1, lim["s"]))) if batched else \
-                (draw(st.integers(1, lim["t"])),)
+            zero = domains.empty_dims(draw, caps["empty"], ("b", "s") if batched else ("t",))
+            lead = tuple(0 if n in zero else draw(st.integers(1, lim[n])) for n in (("b", "s") if batched else ("t",)))
             hq = draw(st.integers(1, lim["h"]))
             key_none = caps["key_none"] and draw(st.integers(0, 3)) == 0
             hk = 0 if key_none else draw(st.sampled_from(divisors(hq))) if caps["gqa"] else hq
@@ -158,7 +164,7 @@ class VLLM(Convention):
         return ("query", "key"), None
 
     def read(self, case, name, t):
-        return t.reshape(case.plan.tokens, -1, case.plan.d)
+        return t.reshape(case.plan.tokens, head_count(case.plan, name), case.plan.d)
 
     def define(self, case, x64):
         p = case.plan
@@ -168,7 +174,7 @@ class VLLM(Convention):
         out = {}
         for name in ("query", "key"):
             if case.args[name] is not None:
-                x = x64[name].reshape(p.tokens, -1, p.d)
+                x = x64[name].reshape(p.tokens, head_count(p, name), p.d)
                 out[name] = Expect(pairing.rotate(x, cos, sin, not p.is_neox), x, p.rot, not p.is_neox, p.dtype)
         return out
 
@@ -304,7 +310,7 @@ VLLM.DOMAIN = {
                   domains.cls("[T]", lambda p, c: len(p.lead) == 1),
                   domains.cls("[b, s]", lambda p, c: len(p.lead) == 2, "batched_positions"),
                   *domains.layouts("positions", "strided_positions"),
-                  *domains.sizes(lambda p: p.tokens, "", "tokens", empty=False)),
+                  *domains.sizes(lambda p: p.tokens, "empty", "tokens")),
     "query": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("query"),
               domains.cls("[..., h, head_size]", lambda p, c: p.q_heads_dim, "heads_dim"),
               domains.cls("[..., h * head_size]", lambda p, c: not p.q_heads_dim),

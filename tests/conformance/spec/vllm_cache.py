@@ -54,6 +54,11 @@ class Plan(NamedTuple):
         return self.n_blocks * self.block_size
 
 
+def no_tokens(plan, names):
+    """The plan with T = 0 (with_empty): no slot given, none padded."""
+    return plan._replace(t=0, n_given=0, n_padded=0)
+
+
 class VLLMCache(kvc.KVCacheConvention):
     NAME = "vllm-cache"
     SIGNATURE = ("positions", "query", "key", "value", "key_cache", "value_cache", "slot_mapping", "cos_sin_cache",
@@ -76,6 +81,7 @@ class VLLMCache(kvc.KVCacheConvention):
         "int32_indices": (True, "int32 positions and slot_mapping as well as int64"),
         "accuracy": ("float32", "accuracy model (accuracy.py)"),
         "npot_block_size": (True, "a block_size that is not a power of two (the caches' block dim: 3, 24)"),
+        "empty": (True, "no tokens: T = 0 (positions, query, key, value and slot_mapping without elements)"),
     }
     OPTIONAL = {"kv_cache_dtype": "auto", "k_scale": None, "v_scale": None}
 
@@ -109,7 +115,7 @@ class VLLMCache(kvc.KVCacheConvention):
                 n_blocks, bs, draw(st.sampled_from(caps["cache_layouts"])), draw(layouts(4)), n_given, n_padded,
                 (draw(st.sampled_from(kvc.SCALES)), draw(st.sampled_from(kvc.SCALES))) if fp8 else (1.0, 1.0))
 
-        return domains.with_explicit(draw(), caps)
+        return domains.with_explicit(domains.with_empty(draw(), caps, no_tokens, ("t",)), caps)
 
     def build(self, p: Plan, arena) -> Case:
         positions = arena.place(arena.integers(0, p.rows, (p.t,), p.index_dtypes[0]))
@@ -171,7 +177,7 @@ def _tokens_domain() -> tuple:
 
 VLLMCache.DOMAIN = {
     "positions": (*domains.index_dtypes(lambda p: p.index_dtypes[0], "int32_indices"),
-                  *domains.sizes(lambda p: p.t, "", "tokens", empty=False)),
+                  *domains.sizes(lambda p: p.t, "empty", "tokens")),
     "query": (*domains.dtypes(lambda p: p.dtype), *_tokens_domain()),
     "key": domains.head_counts(lambda p: (p.hq, p.hk)),
     "value": (domains.cls("key's form", lambda p, c: True),),

@@ -49,6 +49,11 @@ class Plan(NamedTuple):
     positions_layout: Layout
 
 
+def head_count(p: Plan, name: str) -> int:
+    """query's or key's head count (a reshape to [T, h, d] names it: with T = 0, -1 could be any)."""
+    return p.hq if name == "query" else p.hk
+
+
 class VLLMMRoPE(Convention):
     NAME = "vllm-mrope"
     SIGNATURE = ("positions", "query", "key", "head_size", "cos_sin_cache", "mrope_section", "is_neox",
@@ -69,6 +74,7 @@ class VLLMMRoPE(Convention):
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math"),
         "in_place": (True, "query and key written and returned as the same objects (vLLM's op); False: new "
                            "tensors returned, query and key untouched (vLLM's forward_native)"),
+        "empty": (True, "no tokens: T = 0 (positions [3, 0] or [0], query and key without elements)"),
     }
 
     def plans(self, caps):
@@ -93,7 +99,7 @@ class VLLMMRoPE(Convention):
                 return draw(layouts(3 if heads_dim else 2)) if strides else contiguous(3 if heads_dim else 2)
 
             return Plan(
-                draw(seeds()), dtype, cache_dtype, draw(st.integers(1, lim["t"])), hq, hk, d, rot,
+                draw(seeds()), dtype, cache_dtype, domains.size(draw, 1, lim["t"], caps["empty"]), hq, hk, d, rot,
                 draw(st.integers(1, lim["rows"])), draw(st.sampled_from(caps["is_neox"])), mrope_interleaved,
                 draw(sections(rot // 2, mrope_interleaved)),
                 caps["text_positions"] and draw(st.integers(0, 3)) == 0,
@@ -127,7 +133,7 @@ class VLLMMRoPE(Convention):
         return (names if in_place else ()), returned + ((None,) if case.args["key"] is None else ())
 
     def read(self, case, name, t):
-        return t.reshape(case.plan.tokens, -1, case.plan.head_size)
+        return t.reshape(case.plan.tokens, head_count(case.plan, name), case.plan.head_size)
 
     def tables(self, case, x64):
         """Per-channel cos and sin [T, 1, rot] (float64, from the cache as given) at each token's positions."""
@@ -145,7 +151,7 @@ class VLLMMRoPE(Convention):
         out = {}
         for name in ("query", "key"):
             if case.args[name] is not None:
-                x = x64[name].reshape(p.tokens, -1, p.head_size)
+                x = x64[name].reshape(p.tokens, head_count(p, name), p.head_size)
                 out[name] = Expect(pairing.rotate(x, cos, sin, not p.is_neox), x, p.rot, not p.is_neox, p.dtype)
         return out
 
@@ -197,7 +203,7 @@ def equal_streams(conv, fn, caps, plan):
     cos, sin = (pairing.per_channel(t, not p.is_neox).unsqueeze(-2) for t in (rows[..., :half], rows[..., half:]))
     for n in got:
         assert_bitwise(f"equal streams, sections {list(p.section)} vs {other}: {n}", again[n], got[n])
-        x = x64[n].reshape(p.tokens, -1, p.head_size)
+        x = x64[n].reshape(p.tokens, head_count(p, n), p.head_size)
         assert_within(f"equal streams vs plain RoPE: {n}", got[n], pairing.rotate(x, cos, sin, not p.is_neox), x,
                       p.rot, not p.is_neox, 1, caps.get("accuracy", "float32"))
 
@@ -226,13 +232,13 @@ def is_neox_equivalent(conv, fn, caps, plan):
     neox = torch.cat([torch.arange(0, p.rot, 2), torch.arange(1, p.rot, 2), torch.arange(p.rot, p.head_size)])
     to_gptj = torch.argsort(neox)  # channel c of the GPT-J form is channel neox-order index of the NeoX form
 
-    def arranged(x, order):  # [T, h * d] or [T, h, d] with its channels in `order`, in x's own form
-        heads = x.reshape(p.tokens, -1, p.head_size)[..., order.to(x.device)]
+    def arranged(n, x, order):  # [T, h * d] or [T, h, d] with its channels in `order`, in x's own form
+        heads = x.reshape(p.tokens, head_count(p, n), p.head_size)[..., order.to(x.device)]
         return heads.reshape(x.shape).contiguous()
 
     base = fresh(case, is_neox=True)
     neox_out = results(base, fn)
-    gptj = {n: arranged(case.args[n], to_gptj) for n in ("query", "key") if case.args[n] is not None}
+    gptj = {n: arranged(n, case.args[n], to_gptj) for n in ("query", "key") if case.args[n] is not None}
     gptj_out = results(fresh(base, is_neox=False, **gptj), fn)
     for n in neox_out:
         assert_bitwise(f"is_neox=False on rearranged channels (rot {p.rot} of {p.head_size}, {half} pairs): {n}",
@@ -268,7 +274,7 @@ VLLMMRoPE.DOMAIN = {
                   domains.cls("[3, T]", lambda p, c: not p.text),
                   domains.cls("[T] (text)", lambda p, c: p.text, "text_positions"),
                   *domains.layouts("positions"),
-                  *domains.sizes(lambda p: p.tokens, "", "tokens", empty=False)),
+                  *domains.sizes(lambda p: p.tokens, "empty", "tokens")),
     "query": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("query"),
               domains.cls("[T, h, head_size]", lambda p, c: p.q_heads_dim, "heads_dim"),
               domains.cls("[T, h * head_size]", lambda p, c: not p.q_heads_dim)),

@@ -58,6 +58,7 @@ class VLLMQKNorm(Convention):
         "strides": (True, "qkv with padded rows, and cos_sin_cache and position_ids as views"),
         "int32_positions": (True, "int32 position_ids as well as int64"),
         "accuracy": ("float32", "accuracy model (accuracy.py, qknorm_math.py)"),
+        "empty": (True, "no tokens: T = 0 (qkv and position_ids without elements)"),
     }
 
     def plans(self, caps):
@@ -87,7 +88,7 @@ class VLLMQKNorm(Convention):
                 Layout((0, 1), (0, draw(st.sampled_from((0, 0, 1, 4))))) if strides else contiguous(2),
                 draw(layouts(2)) if strides else contiguous(2), draw(layouts(1)) if strides else contiguous(1))
 
-        return draw()
+        return domains.with_empty(draw(), caps, domains.zeroed, ("t",))
 
     def build(self, p: Plan, arena) -> Case:
         heads = p.hq + p.hk + p.hv
@@ -110,7 +111,7 @@ class VLLMQKNorm(Convention):
         the width of the q and k heads, so that the runner compares the v heads bitwise (its copied channels), and
         its source the forward scale (qknorm_math), whatever pairs the runner forms over it."""
         p = case.plan
-        heads = x64["qkv"].reshape(p.t, -1, p.d)
+        heads = x64["qkv"].reshape(p.t, p.hq + p.hk + p.hv, p.d)  # named: with T = 0, -1 could be any
         rows = x64["cos_sin_cache"][x64["position_ids"]]  # [T, rot]
         half = p.rot // 2
         cos, sin = (pairing.per_channel(t, not p.is_neox).unsqueeze(-2) for t in (rows[:, :half], rows[:, half:]))
@@ -119,8 +120,9 @@ class VLLMQKNorm(Convention):
             parts.append(qknorm_math.norm_rope(x, w, p.eps, False, cos, sin, not p.is_neox))
             sources.append(qknorm_math.forward_source(x, w, p.eps, False, p.rot, not p.is_neox))
         v = heads[:, p.hq + p.hk:]
-        value = torch.cat([*parts, v], dim=1).reshape(p.t, -1)
-        source = torch.cat([*sources, torch.zeros_like(v)], dim=1).reshape(p.t, -1)
+        width = (p.hq + p.hk + p.hv) * p.d
+        value = torch.cat([*parts, v], dim=1).reshape(p.t, width)
+        source = torch.cat([*sources, torch.zeros_like(v)], dim=1).reshape(p.t, width)
         return {"qkv": Expect(value, source, (p.hq + p.hk) * p.d, False, p.dtype)}
 
 
@@ -164,7 +166,7 @@ def _any(cap):
 
 VLLMQKNorm.DOMAIN = {
     "qkv": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("qkv"),
-            *domains.sizes(lambda p: p.t, "", "tokens", empty=False)),
+            *domains.sizes(lambda p: p.t, "empty", "tokens")),
     "num_heads_q": domains.sizes(lambda p: p.hq, "", empty=False, pow2=True),
     "num_heads_k": domains.head_counts(lambda p: (p.hq, p.hk), cap=""),
     "num_heads_v": (domains.cls("0", lambda p, c: p.hv == 0), domains.cls("as many as k", lambda p, c: p.hv == p.hk),

@@ -240,8 +240,18 @@ def leaf_backward_forward_rotation(x, cos, sin, interleaved=False, inplace=False
     return correct(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
 
 
+def empty_returns_flattened(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                            max_seqlen=None):
+    """The tokens flattened for the kernel ([b * s, h, d]), and the early exit for an empty x returning them so, not
+    reshaped back to [b, s, h, d] (nor x itself with inplace=True): only an empty [b, s, h, d] exposes it."""
+    if not x.numel():
+        return x.new_empty((0, *x.shape[-2:]))
+    return correct(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
+
+
 CORRECT = correct
 BUGS = {
+    "empty_returns_flattened": (empty_returns_flattened, ("forward",)),
     "inplace_returns_new": (inplace_returns_new, ("forward", "inplace_equals_out_of_place")),
     "inplace_returns_copy": (inplace_returns_copy, ("forward", "inplace_equals_out_of_place")),
     "tensor_offsets_ignored": (tensor_offsets_ignored, ("forward", "int_offset_equals_tensor")),

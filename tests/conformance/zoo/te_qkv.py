@@ -100,11 +100,13 @@ def k_ignores_start_positions(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_
 
 def cp_second_chunk_wrong(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd", start_positions=None,
                           interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0):
-    """The rank's second chunk taken as chunk cp_size + cp_rank (a plain split) instead of 2 cp_size - 1 - cp_rank."""
+    """The rank's second chunk taken as chunk cp_size + cp_rank (a plain split) instead of 2 cp_size - 1 - cp_rank
+    (a position past the table reads its last row, as a kernel clamping its loads would)."""
     q, k, v = parts(qkv, qkv_split_arg_list)
     pos = positions(*seq_batch(qkv, tensor_format), start_positions, cp_size, cp_rank, qkv.device,
                     second_chunk=cp_size + cp_rank)
-    return (rotate(q, q_freqs, pos, tensor_format, interleaved), rotate(k, k_freqs, pos, tensor_format, interleaved),
+    qp, kp = (pos.clamp(max=f.shape[0] - 1) for f in (q_freqs, k_freqs))
+    return (rotate(q, q_freqs, qp, tensor_format, interleaved), rotate(k, k_freqs, kp, tensor_format, interleaved),
             v.clone(memory_format=torch.contiguous_format))
 
 

@@ -27,7 +27,8 @@ def tables(positions, cache, mrope_section, mrope_interleaved, tokens, first_row
 
 def rotated(x, cos, sin, head_size, is_neox, math_dtype=torch.float32, partner_offset=None):
     """x [T, h * d] or [T, h, d] rotated over its first rot = 2 * cos.shape[-1] channels (a new tensor)."""
-    xf = x.to(math_dtype).reshape(x.shape[0], -1, head_size)
+    heads = x.shape[1] if x.dim() == 3 else x.shape[-1] // head_size  # named: T may be 0
+    xf = x.to(math_dtype).reshape(x.shape[0], heads, head_size)
     half = cos.shape[-1]
     c, s = cos[:, None].to(math_dtype), sin[:, None].to(math_dtype)
     if is_neox:
@@ -129,8 +130,18 @@ def reads_as_contiguous(positions, query, key, head_size, cos_sin_cache, mrope_s
     return query, key
 
 
+def empty_returns_none(positions, query, key, head_size, cos_sin_cache, mrope_section, is_neox=True,
+                       mrope_interleaved=False):
+    """An early exit for T = 0 that returns nothing (as vLLM's in-place `rotary_embedding` op does), not (query,
+    key): only an empty input exposes it."""
+    if not query.shape[0]:
+        return None
+    return correct(positions, query, key, head_size, cos_sin_cache, mrope_section, is_neox, mrope_interleaved)
+
+
 CORRECT = correct
 BUGS = {
+    "empty_returns_none": (empty_returns_none, ("forward",)),
     "first_row_positions": (first_row_positions, ("forward",)),
     "key_none_rotates_query_twice": (key_none_rotates_query_twice, ("forward", "key_none")),
     "new_tensors_promised_in_place": (new_tensors_promised_in_place, ("forward",)),

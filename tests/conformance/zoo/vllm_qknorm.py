@@ -83,8 +83,18 @@ def token_index_as_position(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim
             pos)
 
 
+def empty_returns_qkv(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
+                      is_neox, position_ids):
+    """An early exit for T = 0 that returns qkv, where the in-place op returns None: only an empty qkv exposes it."""
+    if not qkv.shape[0]:
+        return qkv
+    return correct(qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps, q_weight, k_weight, cos_sin_cache,
+                   is_neox, position_ids)
+
+
 CORRECT = correct
 BUGS = {
+    "empty_returns_qkv": (empty_returns_qkv, ("forward",)),
     "v_touched": (v_touched, ("forward", "v_untouched")),
     "k_from_the_end": (k_from_the_end, ("forward", "v_untouched")),
     "neox_inverted": (neox_inverted, ("forward",)),
