@@ -177,7 +177,11 @@ def formats_equivalent(conv, fn, caps, plan):
 
 def interleaved_equivalent(conv, fn, caps, plan):
     """GPT-J pairs on channels rearranged (2i, 2i + 1) <- (i, i + d2/2), freqs' channels alike, equal the
-    half-split call rearranged alike, bitwise: the pairing flag moves channels, nothing else."""
+    half-split call rearranged alike: the pairing flag moves channels, nothing else. Within two roundings, as TE's
+    convention states it, not bitwise: an implementation may evaluate cos and sin otherwise for each pairing (rope
+    reads a table built by torch for half-split pairs and evaluates them in the kernel for GPT-J's; on the CPU the
+    interpreter's numpy and torch's own cos differ in the last bit), and each result is within one rounding of the
+    definition, so the two are within two of each other. Channels past d2 (copies) stay bitwise."""
     if set(caps["interleaved"]) != {False, True}:
         return
     case = make_case(conv, caps, plan)
@@ -190,7 +194,8 @@ def interleaved_equivalent(conv, fn, caps, plan):
     split = call(case, fn, interleaved=False)
     gptj = call(case, fn, t=t[..., torch.cat([to_gptj, rest])], freqs=freqs[..., to_gptj], interleaved=True)
     back = torch.cat([half_split.to(dev), rest])
-    assert_bitwise("interleaved=True on rearranged channels vs half-split", gptj[..., back], split)
+    assert_within("interleaved=True on rearranged channels vs half-split", gptj[..., back], split, t, p.d2, False, 2,
+                  caps.get("accuracy", "float32"))
 
 
 def inverse(conv, fn, caps, plan):
