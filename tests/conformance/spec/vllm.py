@@ -53,6 +53,14 @@ def limits():
     return dict(t=4096, b=4, s=1024, h=32, rows=8192, dims=(2, 6, 64, 80, 81, 96, 128, 256))
 
 
+def max_positions(lim):
+    """The cache's rows: up to lim["rows"]; on a device, one plan in ten a long context (a 128K model's table,
+    positions past 2^16), where positions narrowed to 16 bits or passed through float16 go wrong."""
+    if small():
+        return st.integers(1, lim["rows"])
+    return st.one_of(*[st.integers(1, lim["rows"])] * 9, st.integers(65537, 131072))
+
+
 @st.composite
 def token_layouts(draw, lead_ndim: int, heads_dim: bool) -> Layout:
     """A layout of [*lead, (h,) channels] whose tokens stay evenly strided (vLLM steps through the flattened
@@ -130,7 +138,7 @@ class VLLM(Convention):
             return Plan(
                 draw(seeds()), dtype, cache_dtype, lead,
                 draw(st.sampled_from((torch.int64, torch.int32))) if caps["int32_positions"] else torch.int64,
-                hq, hk, d, rot, draw(st.integers(1, lim["rows"])), draw(st.sampled_from(caps["is_neox"])),
+                hq, hk, d, rot, draw(max_positions(lim)), draw(st.sampled_from(caps["is_neox"])),
                 q_heads_dim, k_heads_dim, packed, q_layout, k_layout,
                 draw(layouts(2)) if caps["strided_cache"] else contiguous(2),
                 draw(positions_layouts(len(lead))) if caps["strided_positions"] else contiguous(len(lead)))
