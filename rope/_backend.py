@@ -259,15 +259,15 @@ def convention(name, call, reads, reference, norm=False, launch=None) -> Convent
 def signature(name, tensors, flags) -> tuple:
     """The call memo's key, derived from what Triton specializes on and what a plan depends on: the convention's
     name; its flags with the type of each (True and 1 hash alike); for each tensor its shape, strides, dtype, device
-    (`get_device()`: the CUDA device's index, -1 on the CPU; cheaper than a `torch.device`) and 16-byte alignment,
-    in line (None stays one None: a convention's tensors come in a fixed order). One tuple build: the hot path's
-    cost is this and a dict lookup."""
+    (a `torch.device`: `get_device()` gives -1 for the CPU and the meta device alike) and 16-byte alignment, in line
+    (None stays one None: a convention's tensors come in a fixed order). One tuple build: the hot path's cost is this
+    and a dict lookup."""
     key = [name, flags, tuple(map(type, flags))]
     for x in tensors:
         if x is None:
             key.append(None)
         else:
-            key += (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16)
+            key += (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
     return tuple(key)
 
 

@@ -69,12 +69,15 @@ def test_memo_keys_are_derived_from_every_tensor(monkeypatch):
 
 
 def test_signature_lists_what_triton_specializes_on():
-    """For each tensor: shape, strides, dtype, device index, 16-byte alignment; for each flag its type and value (True
+    """For each tensor: shape, strides, dtype, device, 16-byte alignment; for each flag its type and value (True
     and 1 differ); None stays None."""
     x = torch.zeros(2, 3)
     assert backend.signature("c", (x, None), (True, 1, "sbhd")) == (
-        "c", (True, 1, "sbhd"), (bool, int, str), x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16, None)
+        "c", (True, 1, "sbhd"), (bool, int, str), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, None)
     assert backend.signature("c", (), (True,)) != backend.signature("c", (), (1,))
+    # the CPU and the meta device differ (their get_device() is -1 alike): a meta tensor never finds a CPU call's memo
+    meta = torch.empty(2, 3, device="meta")
+    assert backend.signature("c", (meta,), ()) != backend.signature("c", (x,), ())
 
 
 def test_every_convention_is_registered_once():
