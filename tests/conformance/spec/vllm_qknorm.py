@@ -86,7 +86,8 @@ class VLLMQKNorm(Convention):
                 draw(st.sampled_from(caps["is_neox"])), draw(st.sampled_from(EPS_VALUES)),
                 draw(st.sampled_from(MAGNITUDES)),
                 Layout((0, 1), (0, draw(st.sampled_from((0, 0, 1, 4))))) if strides else contiguous(2),
-                draw(layouts(2)) if strides else contiguous(2), draw(layouts(1)) if strides else contiguous(1))
+                draw(layouts(2)) if strides else contiguous(2),
+                draw(layouts(1, spaced=True)) if strides else contiguous(1))
 
         return domains.with_empty(draw(), caps, domains.zeroed, ("t",))
 
@@ -186,5 +187,5 @@ VLLMQKNorm.DOMAIN = {
     "is_neox": domains.flags(lambda p: p.is_neox, (True, False), ("half-split (True)", "interleaved (False)"),
                              allowed=lambda caps: caps["is_neox"]),
     "position_ids": (*domains.index_dtypes(lambda p: p.positions_dtype, "int32_positions"),
-                     *domains.layouts("position_ids")),
+                     *domains.layouts("position_ids"), domains.spaced("position_ids")),
 }
