@@ -36,7 +36,8 @@ class Call:
     __slots__ = ("layout", "tensor_format", "interleaved", "has_start", "cp_size", "cp_rank", "checks_values",
                  "empty", "plans", "others")
 
-    def __init__(self, layout, tensor_format, interleaved, start_positions, cu_seqlens, cp_size, cp_rank):
+    def __init__(self, layout, tensor_format, interleaved, start_positions=None, cu_seqlens=None, cp_size=1,
+                 cp_rank=0):
         self.layout, self.tensor_format, self.interleaved = layout, tensor_format, interleaved
         self.has_start, self.cp_size, self.cp_rank = start_positions is not None, cp_size, cp_rank
         self.checks_values = start_positions is not None or cu_seqlens is not None

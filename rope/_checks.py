@@ -33,7 +33,7 @@ class Layout(NamedTuple):
     d: int
     rot_dim: int
     freqs_len: int
-    n_seqs: int  # thd only: number of sequences (len(cu_seqlens) - 1)
+    n_seqs: int = 0  # thd only: number of sequences (len(cu_seqlens) - 1)
 
 
 def check_t_and_freqs(t, freqs, tensor_format, interleaved, allow_float64: bool, name: str = "t",

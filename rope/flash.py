@@ -68,7 +68,7 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
                              f"got shape {tuple(start.shape)}")
     if inplace:
         check_inplace("x", x, leaf_written=True)
-    layout = Layout(s, b, x.shape[-2], d, rot, rows, n_seqs)
+    layout = Layout(s=s, b=b, h=x.shape[-2], d=d, rot_dim=rot, freqs_len=rows, n_seqs=n_seqs)
     check_positions(layout, fmt, start, cu_seqlens, 1, 0, ("cos", "seqlen_offsets"))
     return dispatch(FLASH, (x,), (cos, sin, start, cu_seqlens), (fmt, interleaved), inplace=inplace)[0]
 
@@ -79,11 +79,13 @@ def _layout(ts, reads, flags) -> Layout:
         s, b, n_seqs = x.shape[0], 1, cu_seqlens.shape[0] - 1
     else:
         b, s, n_seqs = x.shape[0], x.shape[1], 0
-    return Layout(s, b, x.shape[-2], x.shape[-1], 2 * cos.shape[1], cos.shape[0], n_seqs)
+    return Layout(s=s, b=b, h=x.shape[-2], d=x.shape[-1], rot_dim=2 * cos.shape[1], freqs_len=cos.shape[0],
+                  n_seqs=n_seqs)
 
 
 def _call(ts, reads, flags) -> Call:
-    return Call(_layout(ts, reads, flags), flags[0], flags[1], reads[2], reads[3], 1, 0)
+    return Call(_layout(ts, reads, flags), tensor_format=flags[0], interleaved=flags[1], start_positions=reads[2],
+                cu_seqlens=reads[3])
 
 
 def _reads(call, reads, flags) -> tuple:

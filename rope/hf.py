@@ -74,7 +74,8 @@ def _rotate(xs, views, cos, sin, unsqueeze_dim, interleaved=False, streams=None)
 
 def _call(views, reads, flags) -> Call:
     b, s, h, d = views[0].shape
-    return Call(Layout(s, b, h, d, reads[0].shape[-1], s, 0), "bshd", flags[0], None, None, 1, 0)
+    return Call(Layout(s=s, b=b, h=h, d=d, rot_dim=reads[0].shape[-1], freqs_len=s), tensor_format="bshd",
+                interleaved=flags[0])
 
 
 def _reads(call, reads, flags) -> tuple:

@@ -28,7 +28,7 @@ def apply_rotary_emb(xq, xk, freqs_cis):
 
 def _call(ts, reads, flags) -> Call:
     b, s, h, d = ts[0].shape
-    return Call(Layout(s, b, h, d, d, s, 0), "bshd", True, None, None, 1, 0)
+    return Call(Layout(s=s, b=b, h=h, d=d, rot_dim=d, freqs_len=s), tensor_format="bshd", interleaved=True)
 
 
 def _reads(call, reads, flags) -> tuple:

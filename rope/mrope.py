@@ -68,8 +68,8 @@ def _roles(t, tensor_format) -> tuple:
 def _call(ts, reads, flags) -> Call:
     t, table = ts[0], reads[0]
     s, b = _roles(t, flags[0])
-    return Call(Layout(s, b, t.shape[-2], t.shape[-1], table.shape[-1], table.shape[0], 0), flags[0], flags[1], None,
-                None, 1, 0)
+    return Call(Layout(s=s, b=b, h=t.shape[-2], d=t.shape[-1], rot_dim=table.shape[-1], freqs_len=table.shape[0]),
+                tensor_format=flags[0], interleaved=flags[1])
 
 
 def _reads(call, reads, flags) -> tuple:

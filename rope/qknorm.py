@@ -37,7 +37,8 @@ def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interle
 
 def _call(ts, reads, flags) -> Call:
     b, s, hq, d = ts[0].shape
-    return Call(Layout(s, b, hq, d, reads[0].shape[-1], s, 0), "bshd", flags[0], None, None, 1, 0)
+    return Call(Layout(s=s, b=b, h=hq, d=d, rot_dim=reads[0].shape[-1], freqs_len=s), tensor_format="bshd",
+                interleaved=flags[0])
 
 
 def _reads(call, reads, flags) -> tuple:
@@ -95,7 +96,8 @@ def _cache_call(ts, reads, flags) -> Call:
     """A call at positions of vLLM's cos_sin_cache (cos, sin: its halves [max_position, rot / 2])."""
     t, hq, d = ts[0].shape
     cos = reads[0]
-    return Call(Layout(t, 1, hq, d, 2 * cos.shape[1], cos.shape[0], 0), "thd", flags[0], None, None, 1, 0)
+    return Call(Layout(s=t, b=1, h=hq, d=d, rot_dim=2 * cos.shape[1], freqs_len=cos.shape[0]), tensor_format="thd",
+                interleaved=flags[0])
 
 
 def _cache_reads(call, reads, flags) -> tuple:

@@ -109,8 +109,8 @@ def _rotate(query, key, cos, sin, positions, interleaved: bool, table: str):
 
 def _call(ts, reads, flags) -> Call:
     t_len, n, h = ts[0].shape[0], ts[0].shape[-2], ts[0].shape[-1]
-    return Call(Layout(t_len, 1, n, h, h, reads[0].shape[0], 0), "sbhd" if ts[0].dim() == 4 else "thd", flags[0],
-                None, None, 1, 0)
+    return Call(Layout(s=t_len, b=1, h=n, d=h, rot_dim=h, freqs_len=reads[0].shape[0]),
+                tensor_format="sbhd" if ts[0].dim() == 4 else "thd", interleaved=flags[0])
 
 
 def _reads(call, reads, flags) -> tuple:

@@ -92,8 +92,8 @@ def _rotate(q, k, cos, sin, positions, is_neox, streams):
 
 def _call(ts, reads, flags) -> Call:
     q, cos = ts[0], reads[0]
-    return Call(Layout(q.shape[0], 1, q.shape[1], q.shape[2], 2 * cos.shape[1], cos.shape[0], 0), "thd", flags[0],
-                None, None, 1, 0)
+    return Call(Layout(s=q.shape[0], b=1, h=q.shape[1], d=q.shape[2], rot_dim=2 * cos.shape[1],
+                       freqs_len=cos.shape[0]), tensor_format="thd", interleaved=flags[0])
 
 
 def _reads(call, reads, flags) -> tuple:

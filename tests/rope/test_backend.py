@@ -43,6 +43,20 @@ def test_front_ends_leave_the_decision_to_the_back_end(front):
     assert not _names(ROPE / front) & DECIDING, f"{front}: {sorted(_names(ROPE / front) & DECIDING)}"
 
 
+# the records a front end builds, and how many leading arguments each may pass by position (Call: the layout)
+RECORDS = {"Call": 1, "Layout": 0, "Angles": 0, "Request": 0}
+
+
+@pytest.mark.parametrize("front", FRONT_ENDS)
+def test_front_ends_build_records_by_name(front):
+    """A front end names every field of the records it builds (no `Call(layout, "bshd", flags[0], None, None, 1, 0)`):
+    a positional record read wrong is a wrong kernel."""
+    positional = [f"line {node.lineno}: {node.func.id}" for node in ast.walk(ast.parse((ROPE / front).read_text()))
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in RECORDS
+                  and len(node.args) > RECORDS[node.func.id]]
+    assert not positional, f"{front}: fields passed by position: {positional}"
+
+
 def _hf(cos):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 5, 8, generator=gen).to(DEVICE)
