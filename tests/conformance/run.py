@@ -9,6 +9,9 @@ backward(conv, fn, caps, plan): the differentiable arguments given as views of t
     convention's plans draw layouts of their own); each gradient within the accuracy model of the float64
     definition's vector-Jacobian product; the upstream gradients left as they were.
 inverse(conv, fn, caps, plan): the convention's own call with the angles negated undoes the first (oracle-free).
+determinism(conv, fn, caps, plan, upstream): two identical calls, each on inputs built alike from the plan's seed,
+    give bitwise the same outputs (returned and written in place) and, where the convention has a backward, the same
+    gradients from the same upstream gradients (oracle-free).
 """
 from __future__ import annotations
 
@@ -125,3 +128,48 @@ def backward(conv, fn, caps, plan, upstream: str = "contiguous"):
         scale, copied = conv.grad_scale(case, n, up64, expect)
         accuracy.check(f"backward: grad of {n}", g, ref, scale.reshape(ref.shape), case.args[n].dtype,
                        case.caps.get("accuracy", "float32"), copied)
+
+
+def _one_call(conv, fn, caps, plan, upstream) -> dict:
+    """{what: bits} of one call of fn on a case built from the plan's seed: its outputs (returned and written in
+    place) and, where the convention has a backward the target declares, the gradients from upstream gradients drawn
+    from the plan's seed, laid out as `upstream` says."""
+    grads = bool(conv.DIFFERENTIABLE) and caps.get("backward", True)
+    case = make_case(conv, caps, conv.backward_plan(plan, caps) if grads else plan)
+    leaves = {}
+    if grads:
+        own = conv.leaf_args(case)
+        for n in conv.DIFFERENTIABLE:
+            if case.args.get(n) is None:
+                continue
+            if n in own:
+                leaves[n] = case.args[n].requires_grad_()
+                continue
+            leaves[n] = case.args[n].detach().clone().requires_grad_()
+            case.args[n].copy_(leaves[n])
+    with torch.set_grad_enabled(grads):
+        result = case.call(fn)
+    got, _ = outputs(conv, case, result)
+    seen = {f"output {n}": bits(conv.read(case, n, t)).clone() for n, t in got.items() if isinstance(t, torch.Tensor)}
+    wanted = [n for n, t in got.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if grads and wanted:
+        gen = torch.Generator().manual_seed(plan.seed + 1)
+        ups = [conv.upstream(case, n, lay_out_upstream(torch.randn(tuple(got[n].shape), generator=gen,
+                                                                   dtype=torch.float64).to(got[n].dtype)
+                                                       .to(got[n].device), upstream)) for n in wanted]
+        torch.autograd.backward([got[n] for n in wanted], ups)
+        seen.update({f"gradient of {n}": bits(leaf.grad) for n, leaf in leaves.items() if leaf.grad is not None})
+    return seen
+
+
+def determinism(conv, fn, caps, plan, upstream: str = "contiguous"):
+    first = _one_call(conv, fn, caps, plan, upstream)
+    second = _one_call(conv, fn, caps, plan, upstream)
+    assert first.keys() == second.keys(), f"determinism: the second call gave {sorted(second)}, the first " \
+                                          f"{sorted(first)}"
+    for what, a in first.items():
+        b = second[what]
+        if not torch.equal(a, b):
+            at = (a != b).nonzero()[0].tolist()
+            raise AssertionError(f"determinism: {what} differs between two identical calls; first at {at}: "
+                                 f"{a[tuple(at)].item():#x} against {b[tuple(at)].item():#x} (bits)")

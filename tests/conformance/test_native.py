@@ -6,6 +6,8 @@
     backward    every promised gradient within the accuracy model of the definition's vector-Jacobian product,
                 from random upstream gradients, with the arguments given as views in the graph; the upstream
                 gradients left alone
+    determinism two identical calls, on inputs built alike, bitwise equal: outputs and gradients (a target that is
+                not declares deterministic=false)
 A convention the target does not have is skipped; a capability it declares off is not drawn, and the skip
 reason of a convention names what is then not certified (spec.domains.declared_off). The convention's own
 invariants run as test_invariant[convention-invariant].
@@ -31,13 +33,13 @@ CONVENTIONS = spec.available()
 # Examples per property in the CI default (Triton's interpreter runs every kernel program after another): enough to
 # draw every declared class of a convention over its properties together (test_domains.py proves it); the GPU
 # profile (realistic shapes) and the nightly one are the certification.
-CPU_EXAMPLES = {"forward": 10, "backward": 6, "invariant": 4}
+CPU_EXAMPLES = {"forward": 10, "backward": 6, "invariant": 4, "determinism": 3}
 CI_PROFILE = "cpu-interp"
 # The gpu profile: forward and backward take the profile's 100; an invariant takes 40. On a device the run is bound
 # by Triton's compiles (most examples are a new specialization), and an invariant calls the target two to four times
 # per example (the call and the calls it is compared with), each over the plans forward draws: 40 examples are 80-160
 # calls, as many as forward's 100.
-PROFILE_EXAMPLES = {CI_PROFILE: CPU_EXAMPLES, "gpu": {"invariant": 40}}
+PROFILE_EXAMPLES = {CI_PROFILE: CPU_EXAMPLES, "gpu": {"invariant": 40, "determinism": 40}}
 INVARIANTS = [(name, inv) for name in CONVENTIONS for inv in spec.load(name).INVARIANTS]
 
 
@@ -93,6 +95,19 @@ def test_backward(target, name, data):
                  data.draw(domains.upstreams(caps), label="upstream"))
 
 
+@pytest.mark.parametrize("name", CONVENTIONS)
+@budget("determinism")
+@given(data=st.data())
+def test_determinism(target, name, data):
+    """Two identical calls give bitwise the same outputs and gradients (run.determinism): what an RL trainer and its
+    rollout engine need of a kernel called twice on one input. A target declares deterministic=false otherwise."""
+    conv, fn, caps = convention_of(target, name)
+    if not caps["deterministic"]:
+        pytest.skip(f"{target.name} declares {name} not deterministic")
+    upstream = data.draw(domains.upstreams(caps), label="upstream") if conv.DIFFERENTIABLE else "contiguous"
+    run.determinism(conv, fn, caps, data.draw(conv.plans(caps), label="plan"), upstream)
+
+
 PINNED = [(name, i) for name in CONVENTIONS for i in range(len(spec.load(name).PINS))]
 
 
@@ -133,7 +148,7 @@ def test_declared_domain(target, name):
     (CI_PROFILE, {}, CPU_EXAMPLES),
     (CI_PROFILE, {"ROPE_MAX_EXAMPLES": "200"}, {}),
     ("nightly", {}, {}),
-    ("gpu", {}, {"invariant": 40}),
+    ("gpu", {}, {"invariant": 40, "determinism": 40}),
     ("gpu", {"ROPE_MAX_EXAMPLES": "200"}, {}),
     ("nightly", {"ROPE_MAX_EXAMPLES": "7"}, {}),
 ])

@@ -40,7 +40,7 @@ def catch_budget(prop: str) -> int:
 # profile's whole count: a false alarm of an oracle or a tolerance shows there as well.
 CORRECT_EXAMPLES_SMALL, CORRECT_EXAMPLES_DEVICE = 60, 20
 ROOT = Path(__file__).resolve().parents[2]
-PROPERTIES = {"forward": run.forward, "backward": run.backward}
+PROPERTIES = {"forward": run.forward, "backward": run.backward, "determinism": run.determinism}
 
 
 def zoo(name):
@@ -68,7 +68,7 @@ def falsify(name, prop, fn, declared=None, max_examples=ZOO_EXAMPLES):
     @given(data=st.data())
     def probe(data):
         plan = data.draw(conv.plans(caps))
-        if prop == "backward":
+        if prop in ("backward", "determinism"):
             check(conv, fn, caps, plan, data.draw(domains.upstreams(caps)))
         else:
             check(conv, fn, caps, plan)

@@ -45,6 +45,7 @@ def cls(name: str, holds: Callable, cap: str = "", off: Callable = None) -> Clas
 # ------------------------------------------------------------------------------------------- generic capabilities
 GENERIC_CAPS = {
     "explicit_defaults": (True, "optional arguments passed explicitly at their default value, as well as omitted"),
+    "deterministic": (True, "two identical calls give bitwise the same outputs (and gradients)"),
 }
 DIFFERENTIABLE_CAPS = {
     "strided_grads": (True, "upstream gradients that are strided views (a slice of a wider buffer, permuted)"),

@@ -20,6 +20,19 @@ def correct(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return _embed(q, cos, sin, out), _embed(k, cos, sin, out)
 
 
+_CALLS = [0]
+
+
+def math_changes_between_calls(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Every other call computes in float64 instead of float32 (a kernel picking its path by a counter, a heuristic
+    or the device's load): each result within one rounding, but two identical calls may differ in the last bit."""
+    _CALLS[0] += 1
+    out = torch.promote_types(q.dtype, cos.dtype)
+    math = torch.float64 if _CALLS[0] % 2 else torch.float32
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return _embed(q, cos, sin, out, math), _embed(k, cos, sin, out, math)
+
+
 def k_rotates_q(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """k's expression reads rotate_half(q) (a typo that survives when k is a copy of q)."""
     out = torch.promote_types(q.dtype, cos.dtype)
@@ -304,5 +317,6 @@ BUGS = {
     "empty_returns_flat": (empty_returns_flat, ("forward",)),
     "grad_read_as_contiguous": (grad_read_as_contiguous, ("backward",)),
     "grad_channels_read_as_adjacent": (grad_channels_read_as_adjacent, ("backward",)),
+    "math_changes_between_calls": (math_changes_between_calls, ("determinism",)),
     "k_grad_batch_by_q_heads": (k_grad_batch_by_q_heads, ("backward",)),
 }
