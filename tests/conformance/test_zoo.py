@@ -40,6 +40,8 @@ def catch_budget(prop: str) -> int:
 # profile's whole count: a false alarm of an oracle or a tolerance shows there as well.
 CORRECT_EXAMPLES_SMALL, CORRECT_EXAMPLES_DEVICE = 60, 20
 ROOT = Path(__file__).resolve().parents[2]
+# determinism on contiguous upstream gradients here (the probe's source, and with it its derandomized draws, stays
+# that of the other properties; test_native draws every layout for it)
 PROPERTIES = {"forward": run.forward, "backward": run.backward, "determinism": run.determinism}
 
 
@@ -68,7 +70,7 @@ def falsify(name, prop, fn, declared=None, max_examples=ZOO_EXAMPLES):
     @given(data=st.data())
     def probe(data):
         plan = data.draw(conv.plans(caps))
-        if prop in ("backward", "determinism"):
+        if prop == "backward":
             check(conv, fn, caps, plan, data.draw(domains.upstreams(caps)))
         else:
             check(conv, fn, caps, plan)
