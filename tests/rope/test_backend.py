@@ -19,7 +19,7 @@ FRONT_ENDS = ["hf.py", "vllm.py", "meta.py", "flash.py", "mrope.py", "torchtitan
               "cache.py", "functional.py", "embedding.py", "serving.py"]
 # what deciding between the kernel and the reference takes: the rule, the trace question, and the launcher
 DECIDING = {"kernel_runs", "on_kernel_device", "is_compiling", "rotate", "rotate_qk", "apply", "norm_rotate",
-            "call_for", "rotate_op"}
+            "rotate_op"}
 
 
 def _names(path) -> set:
