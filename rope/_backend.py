@@ -292,7 +292,8 @@ def dispatch(conv: Convention, ts: tuple, reads: tuple = (), flags: tuple = (), 
     or TransformerEngine's fused=False); traced code (`torch.compile`) records the custom op; else the kernel runs.
     `inplace`: ts are written and returned. `call`: the signature's `Call` where the front end's checks found it
     already (the memo is then not asked twice). Returns the rotated tensors (q and k for a `norm` convention)."""
-    if not (fits and on_kernel_device(ts[0])):
+    x = ts[0]
+    if not (fits and (x.is_cuda or (INTERPRET and x.is_cpu))):  # `on_kernel_device`, inline on the hot path
         return _by_reference(conv, ts, reads, flags, inplace)
     if torch.compiler.is_compiling():
         return _traced(conv, ts, reads, flags, inplace)
@@ -306,7 +307,12 @@ def dispatch(conv: Convention, ts: tuple, reads: tuple = (), flags: tuple = (), 
                            pos_table=pos_table, inplace=inplace)
     call = call or call_of(conv, ts, reads, flags)
     angles, start, index, pos_table = conv.reads(call, reads, flags)
-    return apply(ts, call, angles, start_positions=start, token_index=index, pos_table=pos_table, inplace=inplace)
+    if torch.is_grad_enabled() and (x.requires_grad or (len(ts) > 1 and ts[1].requires_grad)):
+        return apply(ts, call, angles, start_positions=start, token_index=index, pos_table=pos_table, inplace=inplace)
+    # the call that records nothing, the hot path: straight to the launcher (`apply` without its record)
+    if len(ts) == 1:
+        return (rotate(call, x, angles, start, index, False, inplace, pos_table),)
+    return rotate_qk(call, x, ts[1], angles, start, index, False, inplace, pos_table)
 
 
 def _by_reference(conv, ts, reads, flags, inplace) -> tuple:

@@ -107,7 +107,7 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device.index]
 
 
-class Angles(NamedTuple):
+class Angles:
     """What the kernel reads for the angles. `table`: cos and sin tables, any float dtype, read at
     [position * stride_s + batch * stride_b + column * stride_d] (stride_b: tables per batch entry, else
     0), with one column per channel of the rotary width, or, `half`, one per pair. Else `cos` is `freqs`
@@ -116,21 +116,30 @@ class Angles(NamedTuple):
     kernel's (MROPE, SEC0, SEC1, SEC2), which position stream each pair reads (`kernels._common._stream_of_pair`),
     and `stride_m` the distance between the streams' tables (0: one table for all)."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-    length: int
-    stride_s: int
-    stride_b: int
-    stride_d: int
-    table: bool
-    half: bool
-    stride_m: int = 0
-    streams: tuple = (0, 0, 0, 0)
+    __slots__ = ("cos", "sin", "length", "stride_s", "stride_b", "stride_d", "table", "half", "stride_m", "streams",
+                 "_key")
 
+    def __init__(self, *, cos: torch.Tensor, sin: torch.Tensor, length: int, stride_s: int, stride_b: int,
+                 stride_d: int, table: bool, half: bool, stride_m: int = 0, streams: tuple = (0, 0, 0, 0)):
+        self.cos, self.sin, self.length = cos, sin, length
+        self.stride_s, self.stride_b, self.stride_d, self.stride_m = stride_s, stride_b, stride_d, stride_m
+        self.table, self.half, self.streams = table, half, streams
+        self._key = None
+
+    @property
     def key(self) -> tuple:
-        """What a plan depends on (Triton specializes on dtypes, alignment and strides)."""
-        return (self.cos.dtype, self.stride_s, self.stride_b, self.stride_d, self.table, self.half,
-                self.cos.data_ptr() % 16, self.sin.data_ptr() % 16, self.stride_m, self.streams)
+        """What a plan depends on (Triton specializes on dtypes, alignment and strides): made on the first launch
+        and kept, since a cached table's record serves every call that reads it (and a tensor without storage, under
+        a functorch transform, has no alignment to ask before autograd refuses it)."""
+        key = self._key
+        if key is None:
+            key = self._key = (self.cos.dtype, self.stride_s, self.stride_b, self.stride_d, self.table, self.half,
+                               self.cos.data_ptr() % 16, self.sin.data_ptr() % 16, self.stride_m, self.streams)
+        return key
+
+    def _replace(self, **fields) -> Angles:
+        """A copy with `fields` changed (its key made anew)."""
+        return Angles(**{name: fields.get(name, getattr(self, name)) for name in Angles.__slots__[:-1]})
 
 
 def freqs_angles(freqs: torch.Tensor, length: int) -> Angles:
@@ -446,7 +455,7 @@ def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None, 
     like every pointer (a kernel compiled for int32 positions reads int64 ones as pairs of int32)."""
     # The call's key fixes x's strides where x is its own tensor (forward, the custom op), not a gradient.
     key = (backward, inplace, pos_table, pos_strides, x.stride() if backward or k is not None else None,
-           x.data_ptr() % 16, angles.key(), index_key)
+           x.data_ptr() % 16, angles.key, index_key)
     if k is not None:
         key += (k.shape, k.stride(), k.data_ptr() % 16)
     plan = call.plans.get(key)
@@ -533,7 +542,7 @@ def _norm_plan(call, q, k, angles, backward, inplace, pos_table, pos_strides, in
                saved) -> Plan:
     """`plan_for` of the QK-norm kernel: the key adds the norm's form, eps, the weights' dtypes and alignment
     and, backward, the inputs' strides and alignment (Triton specializes on all but eps, a scalar of the plan)."""
-    key = ("norm", norm, eps, backward, inplace, pos_table, pos_strides, q.stride(), q.data_ptr() % 16, angles.key(),
+    key = ("norm", norm, eps, backward, inplace, pos_table, pos_strides, q.stride(), q.data_ptr() % 16, angles.key,
            index_key, k.shape, k.stride(), k.data_ptr() % 16,
            *((w.dtype, w.data_ptr() % 16) for w in weights), *((t.stride(), t.data_ptr() % 16) for t in saved))
     plan = call.plans.get(key)
