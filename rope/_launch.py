@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import NamedTuple
 
 import torch
 import triton
