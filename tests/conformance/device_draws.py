@@ -5,7 +5,8 @@
 On a GPU the plan strategies draw device-sized cases (`spec.small()` is False); on the CPU the interpreter's small
 ones. A planted bug caught by one set of draws may pass the other, and `test_zoo.py` on a CPU sees only the small
 ones. This runs `test_zoo.falsify` for every (bug, property) pair with the device's draws, in this process on the
-CPU (the zoo's implementations are PyTorch), and exits 1 if any passes or crashes instead of failing a check.
+CPU (the zoo's implementations are PyTorch), with the examples `test_zoo.catch_budget` gives them on a device,
+and exits 1 if any passes or crashes instead of failing a check.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def device_draws() -> None:
 
 def main(argv=None) -> int:
     names = (sys.argv[1:] if argv is None else argv)
+    import conftest  # noqa: F401 - the suite's Hypothesis profiles, whose gpu count `catch_budget` gives
     device_draws()
     from . import test_zoo
     missed = 0
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
         for bug, (fn, props) in zoo.BUGS.items():
             for prop in props:
                 t0 = time.perf_counter()
-                failure = test_zoo.falsify(name, prop, fn)
+                failure = test_zoo.falsify(name, prop, fn, max_examples=test_zoo.catch_budget(prop))
                 caught = isinstance(failure, AssertionError)
                 missed += not caught
                 verdict = "caught" if caught else "PASSED" if failure is None else f"crashed ({type(failure).__name__})"

@@ -145,6 +145,9 @@ def one_head_too_many(positions, query, key, head_size, cos_sin_cache, is_neox):
 
 
 CORRECT = correct
+# the command-line test's bug: caught within 10 examples on every seed tried, on both sets of draws (key_with_query_
+# strides needs a key whose strides differ from query's, on the device's draws not in every 10)
+CLI_BUG = "is_neox_inverted"
 BUGS = {
     "key_with_query_strides": (key_with_query_strides, ("forward",)),
     "key_none_aliases_query": (key_none_aliases_query, ("forward", "key_none_leaves_query")),
