@@ -95,6 +95,41 @@ def checked_call(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
     return call
 
 
+class Seen:
+    """A signature whose static checks passed (`check_once`), and the `Call` the kernel path made for it (None until
+    then): the front end hands it to `dispatch`, so that a repeated call derives one key, not two."""
+
+    __slots__ = ("call",)
+
+    def __init__(self):
+        self.call = None
+
+
+# signatures of front-end calls whose static checks passed
+_SEEN = _memo.memo("front-end signatures whose static checks passed", 4096)
+
+
+def check_once(name: str, check: Callable, tensors: tuple, flags: tuple) -> Seen:
+    """check(*tensors, *flags), a front end's static checks (shapes, dtypes, devices, strides, the flags' types and
+    values: what `signature` holds), on the first sight of this signature under `name`; afterwards one key and a
+    dict lookup. What else a check reads stays the front end's on every call (a tensor's values, autograd's state,
+    memory overlap). A signature that cannot be made (not tensors, unhashable flags) or traced code checks every
+    time, as `checked_call` does."""
+    try:
+        if torch.compiler.is_compiling():
+            raise RuntimeError
+        key = signature(name, tensors, flags)
+        seen = _SEEN.get(key)
+    except (AttributeError, TypeError, RuntimeError):
+        key, seen = None, None
+    if seen is None:
+        check(*tensors, *flags)
+        seen = Seen()
+        if key is not None:
+            _SEEN.put(key, seen)
+    return seen
+
+
 class Traced(NamedTuple):
     """A rotation as traced code runs it: the custom op's arguments beside the rotated tensors (the launch is an
     opaque custom op there; the front end's checks become guards)."""
@@ -285,13 +320,14 @@ def call_of(conv: Convention, ts, reads, flags) -> Call:
 
 
 def dispatch(conv: Convention, ts: tuple, reads: tuple = (), flags: tuple = (), *, inplace=False, fits=True,
-             call=None) -> tuple:
+             call=None, seen=None) -> tuple:
     """ts rotated as convention `conv` says, after the front end's checks: the one place that decides between the
     kernel, the reference and the trace. The reference computes where the kernel does not run (`on_kernel_device`)
     or where the front end says the kernel cannot give the convention's result (`fits` False: a wider result dtype,
     or TransformerEngine's fused=False); traced code (`torch.compile`) records the custom op; else the kernel runs.
     `inplace`: ts are written and returned. `call`: the signature's `Call` where the front end's checks found it
-    already (the memo is then not asked twice). Returns the rotated tensors (q and k for a `norm` convention)."""
+    already (the memo is then not asked twice); `seen`: the `Seen` of the front end's own signature (`check_once`),
+    which keeps the `Call` made from its arguments. Returns the rotated tensors (q and k for a `norm` convention)."""
     x = ts[0]
     if not (fits and (x.is_cuda or (INTERPRET and x.is_cpu))):  # `on_kernel_device`, inline on the hot path
         return _by_reference(conv, ts, reads, flags, inplace)
@@ -300,12 +336,18 @@ def dispatch(conv: Convention, ts: tuple, reads: tuple = (), flags: tuple = (), 
     if conv.launch is not None:
         conv.launch(ts, reads, flags)
         return ts
+    if call is None:
+        # the front end's signature fixes every tensor's and flag's that the Call's is made of (they are derived from
+        # its arguments), so its Seen keeps the Call
+        call = seen.call if seen is not None else None
+        if call is None:
+            call = call_of(conv, ts[:2] if conv.norm else ts, reads, flags)
+            if seen is not None:
+                seen.call = call
     if conv.norm:
-        call = call or call_of(conv, ts[:2], reads, flags)
         angles, start, index, pos_table, norm, eps = conv.reads(call, reads, flags)
         return norm_rotate(*ts, call, angles, norm=norm, eps=eps, start_positions=start, token_index=index,
                            pos_table=pos_table, inplace=inplace)
-    call = call or call_of(conv, ts, reads, flags)
     angles, start, index, pos_table = conv.reads(call, reads, flags)
     if torch.is_grad_enabled() and (x.requires_grad or (len(ts) > 1 and ts[1].requires_grad)):
         return apply(ts, call, angles, start_positions=start, token_index=index, pos_table=pos_table, inplace=inplace)

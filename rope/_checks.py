@@ -120,7 +120,18 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
             what = "the number of sequences" if tensor_format == "thd" else "the batch size"
             raise ValueError(f"start_positions: expected shape [{n_pos}] ({what}), "
                              f"got {tuple(start_positions.shape)}")
-    return Layout(s, b, h, d, d2, s2, n_seqs)
+    return te_layout(t, freqs, tensor_format, cu_seqlens)
+
+
+def te_layout(t, freqs, tensor_format, cu_seqlens) -> Layout:
+    """The layout of a TransformerEngine call whose arguments `check_static` passed (unchecked: the reference path
+    reads it after the front end's checks)."""
+    if tensor_format == "thd":
+        s, b, h, n_seqs = t.shape[0], 1, t.shape[1], cu_seqlens.shape[0] - 1
+    else:
+        s, b = (t.shape[0], t.shape[1]) if tensor_format == "sbhd" else (t.shape[1], t.shape[0])
+        h, n_seqs = t.shape[2], 0
+    return Layout(s=s, b=b, h=h, d=t.shape[-1], rot_dim=freqs.shape[3], freqs_len=freqs.shape[0], n_seqs=n_seqs)
 
 
 def check_inplace(name: str, x: torch.Tensor, leaf_written: bool = False) -> None:
@@ -532,6 +543,12 @@ def complex_tables(freqs_cis, x, x_name: str, name: str = "freqs_cis"):
     return parts[..., 0], parts[..., 1]
 
 
+def view_heads(x, positions, head_size):
+    """x as [num_tokens, heads, head_size], unchecked (`heads_view` checks it)."""
+    rest = x.shape[positions.dim():]
+    return x.view(positions.numel(), rest[0] if len(rest) == 2 else rest[0] // head_size, head_size)
+
+
 def heads_view(name, x, positions, head_size):
     """vLLM's x ([*positions.shape, heads * head_size] or [..., heads, head_size]) as [num_tokens, heads, head_size]
     (a view)."""
@@ -543,7 +560,7 @@ def heads_view(name, x, positions, head_size):
         raise ValueError(f"{name}: expected [{', '.join(map(str, positions.shape))}, heads * {head_size}] or "
                          f"[..., heads, {head_size}] (leading dims as positions'), got {tuple(x.shape)}")
     try:
-        return x.view(positions.numel(), rest[0] if len(rest) == 2 else rest[0] // head_size, head_size)
+        return view_heads(x, positions, head_size)
     except RuntimeError:
         raise ValueError(f"{name}: cannot be viewed as [num_tokens, heads, head_size] (strides "
                          f"{tuple(x.stride())}); pass a tensor whose heads are evenly strided") from None
@@ -570,7 +587,8 @@ def check_norm(q, q_weight, k_weight, eps, names=("q_weight", "k_weight")) -> No
 
 
 def check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, interleaved, gemma):
-    """`rope.qknorm.apply`'s arguments; returns q and k as [b, s, h, d] views."""
+    """`rope.qknorm.apply`'s arguments (static: `rope._backend.check_once` runs it once per signature); returns q and
+    k as [b, s, h, d] views."""
     if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in _SHAPES:
         raise ValueError(f"unsqueeze_dim: expected 1 (q, k as {_SHAPES[1]}) or 2 ({_SHAPES[2]}), got {unsqueeze_dim!r}")
     check_bools(interleaved=interleaved, gemma=gemma)

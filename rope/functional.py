@@ -12,6 +12,7 @@ from ._checks import (
     check_pair,
     check_positions,
     check_static,
+    te_layout,
 )
 from ._launch import angles_for, table_angles, token_index_for
 from .cache import RoPECache
@@ -108,8 +109,7 @@ def _reference(ts, reads, flags, backward) -> tuple:
     freqs, start_positions, cu_seqlens, cos, sin = reads
     tensor_format, interleaved, cp_size, cp_rank = flags
     cache = None if cos is None else reference.Tables(cos, sin)
-    layout = check_static(ts[0], freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
-                          allow_float64=True)
+    layout = te_layout(ts[0], freqs, tensor_format, cu_seqlens)  # checked by the front end
     pos = reference.token_positions(layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank,
                                     ts[0].device)
     return tuple(reference.rotate(x, *reference.token_tables(freqs, cache, pos, tensor_format, x.dtype), interleaved)

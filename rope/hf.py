@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._backend import Call, convention, dispatch
+from ._backend import Call, check_once, convention, dispatch
 from ._checks import Layout, check_mrope_section, check_rotary_tables, heads_views
 from ._launch import table_angles
 
@@ -25,18 +25,16 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     whole head, as Llama's). float32 math and one rounding to torch's promotion of q's and cos's dtypes, as
     transformers' expression gives. `position_ids` is unused, as in transformers. New tensors; the gradient flows
     to q and k."""
-    views = heads_views((("q", q), ("k", k)), unsqueeze_dim)
-    check_rotary_tables(cos, sin, views, "q", 0)
-    return _rotate((q, k), views, cos, sin, unsqueeze_dim)
+    seen = check_once("hf.apply_rotary_pos_emb", _check_pair, (q, k, cos, sin), (unsqueeze_dim,))
+    return _rotate((q, k), cos, sin, unsqueeze_dim, seen=seen)
 
 
 def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
     """The one-tensor form (Gemma 3n and Gemma 4 rotate q alone on the layers that share k): x rotated as
     `apply_rotary_pos_emb` rotates q, bitwise its q result, in one launch. Returns a new tensor; the gradient
     flows to x."""
-    views = heads_views((("x", x),), unsqueeze_dim)
-    check_rotary_tables(cos, sin, views, "x", 0)
-    return _rotate((x,), views, cos, sin, unsqueeze_dim)[0]
+    seen = check_once("hf.apply_rotary_pos_emb_single", _check_single, (x, cos, sin), (unsqueeze_dim,))
+    return _rotate((x,), cos, sin, unsqueeze_dim, seen=seen)[0]
 
 
 def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -45,9 +43,8 @@ def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
     row (GLM's rotary module builds cat(theta, theta); transformers takes `cos[..., :r/2].repeat_interleave(2)`),
     the second half unread. Channels r.. pass through (GLM rotates half the head). Dtypes, results and gradients
     as `apply_rotary_pos_emb`."""
-    views = heads_views((("q", q), ("k", k)), unsqueeze_dim)
-    check_rotary_tables(cos, sin, views, "q", 0)
-    return _rotate((q, k), views, cos, sin, unsqueeze_dim, interleaved=True)
+    seen = check_once("hf.apply_rotary_pos_emb_glm", _check_pair, (q, k, cos, sin), (unsqueeze_dim,))
+    return _rotate((q, k), cos, sin, unsqueeze_dim, interleaved=True, seen=seen)
 
 
 def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1, mrope_interleaved=False):
@@ -60,15 +57,25 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
     views = heads_views((("q", q), ("k", k)), unsqueeze_dim)
     check_rotary_tables(cos, sin, views, "q", 1)
     streams = check_mrope_section(mrope_section, cos.shape[-1] // 2, mrope_interleaved)
-    return _rotate((q, k), views, cos, sin, unsqueeze_dim, streams=streams)
+    return _rotate((q, k), cos, sin, unsqueeze_dim, streams=streams)
 
 
-def _rotate(xs, views, cos, sin, unsqueeze_dim, interleaved=False, streams=None) -> tuple:
-    """xs (q and k, or x; `views` their [b, s, h, d] views) rotated over the first r = cos.shape[-1] channels in one
-    launch; `streams` as `rope._launch.Angles` holds them for tables per stream (cos [3, b, s, r]). The kernel
-    writes q's dtype: a wider result of transformers' promotion is the reference's."""
+def _check_pair(q, k, cos, sin, unsqueeze_dim) -> None:
+    check_rotary_tables(cos, sin, heads_views((("q", q), ("k", k)), unsqueeze_dim), "q", 0)
+
+
+def _check_single(x, cos, sin, unsqueeze_dim) -> None:
+    check_rotary_tables(cos, sin, heads_views((("x", x),), unsqueeze_dim), "x", 0)
+
+
+def _rotate(xs, cos, sin, unsqueeze_dim, interleaved=False, streams=None, seen=None) -> tuple:
+    """xs (q and k, or x; checked) rotated over the first r = cos.shape[-1] channels in one launch, as [b, s, h, d]
+    views (the kernel's bshd roles); `streams` as `rope._launch.Angles` holds them for tables per stream (cos [3, b,
+    s, r]); `seen`: the front end's checked signature (`check_once`). The kernel writes q's dtype: a wider result of
+    transformers' promotion is the reference's."""
+    views = tuple(x.transpose(1, 2) for x in xs) if unsqueeze_dim == 1 else xs
     fits = torch.promote_types(xs[0].dtype, cos.dtype) == xs[0].dtype
-    outs = dispatch(HF, tuple(views), (cos, sin), (interleaved, streams), fits=fits)
+    outs = dispatch(HF, views, (cos, sin), (interleaved, streams), fits=fits, seen=seen)
     return tuple(o.transpose(1, 2) for o in outs) if unsqueeze_dim == 1 else tuple(outs)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._backend import Call, convention, dispatch
+from ._backend import Call, check_once, convention, dispatch
 from ._checks import Layout, check_cache_call, check_inplace, check_packed, check_positions_in, check_table_call
 from ._launch import table_angles
 from .qknorm_te import apply_freqs
@@ -27,11 +27,13 @@ def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interle
     attention's transpose (unsqueeze_dim=1) or [b, s, hq, d] before it (unsqueeze_dim=2); cos, sin [b or 1, s,
     rot] as transformers' rotary module returns them (rot <= d even: partial rotary over the first rot channels;
     interleaved: pairs (2i, 2i + 1)). gemma: Gemma's (1 + w). New tensors, in q's layout."""
-    qv, kv = check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, interleaved, gemma)
+    seen = check_once("qknorm.apply", check_table_call, (q, k, q_weight, k_weight, cos, sin),
+                      (eps, unsqueeze_dim, interleaved, gemma))
+    qv, kv = (q.transpose(1, 2), k.transpose(1, 2)) if unsqueeze_dim == 1 else (q, k)
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     qo, ko = dispatch(QKNORM, (qv, kv, q_weight.contiguous(), k_weight.contiguous()), (cos, sin),
-                      (interleaved, gemma, eps))
+                      (interleaved, gemma, eps), seen=seen)
     return (qo.transpose(1, 2), ko.transpose(1, 2)) if unsqueeze_dim == 1 else (qo, ko)
 
 

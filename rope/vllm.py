@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from ._backend import Call, convention, dispatch
+from ._backend import Call, check_once, convention, dispatch
 from ._checks import (
     Layout,
     check_cos_sin_cache,
@@ -23,19 +23,40 @@ from ._checks import (
     check_stream_positions,
     check_token_positions,
     heads_view,
+    view_heads,
 )
 from ._launch import table_angles
 
 
 def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     """vLLM's `rotary_embedding` op: rotates query and key (if not None) in place; returns None."""
-    _check_positions_rank(positions, "[num_tokens] or [b, s]")
-    flat = positions.reshape(-1)
-    q, k, cos, sin, rows = _checked(positions, query, key, head_size, cos_sin_cache, is_neox)
-    check_token_positions(flat, positions.numel(), q, "query")
+    seen = check_once("vllm.rotary_embedding", _check_call, (positions, query, key, cos_sin_cache),
+                      (head_size, is_neox))
+    q, k, cos, sin, rows = _in_place(positions, query, key, head_size, cos_sin_cache)
     check_positions_in(positions, rows)  # the caller's tensor, whose identity the value-check memo keys on
-    _rotate(q, k, cos, sin, flat, is_neox, (0, 0, 0, 0))
+    _rotate(q, k, cos, sin, positions.reshape(-1), is_neox, (0, 0, 0, 0), seen)
     return None
+
+
+def _check_call(positions, query, key, cos_sin_cache, head_size, is_neox) -> None:
+    """`rotary_embedding`'s static checks (`rope._backend.check_once`: once per signature)."""
+    _check_positions_rank(positions, "[num_tokens] or [b, s]")
+    q = _checked(positions, query, key, head_size, cos_sin_cache, is_neox)[0]
+    check_token_positions(positions.reshape(-1), positions.numel(), q, "query")
+
+
+def _in_place(positions, query, key, head_size, cos_sin_cache) -> tuple:
+    """(query and key as [num_tokens, heads, head_size] views, the cache's cos and sin halves, its rows) of a call
+    whose static checks passed; query and key checked for rotation in place (autograd's state and their memory:
+    every call)."""
+    q = view_heads(query, positions, head_size)
+    k = None if key is None else view_heads(key, positions, head_size)
+    rows, rot = cos_sin_cache.shape
+    check_inplace("query", q)
+    if k is not None:
+        check_inplace("key", k)
+        check_disjoint(q, k, ("query", "key"))
+    return q, k, cos_sin_cache[:, :rot // 2], cos_sin_cache[:, rot // 2:], rows
 
 
 def mrotary_embedding(positions, query, key, head_size, cos_sin_cache, mrope_section, is_neox=True,
@@ -85,9 +106,11 @@ def _checked(positions, query, key, head_size, cos_sin_cache, is_neox):
     return q, k, cos, sin, rows
 
 
-def _rotate(q, k, cos, sin, positions, is_neox, streams):
-    """Rotate q and k in place by the rows `positions` ([num_tokens], or [3, num_tokens] with `streams`)."""
-    dispatch(VLLM, (q,) if k is None else (q, k), (cos, sin, positions), (not is_neox, streams), inplace=True)
+def _rotate(q, k, cos, sin, positions, is_neox, streams, seen=None):
+    """Rotate q and k in place by the rows `positions` ([num_tokens], or [3, num_tokens] with `streams`); `seen`: the
+    front end's checked signature (`check_once`)."""
+    dispatch(VLLM, (q,) if k is None else (q, k), (cos, sin, positions), (not is_neox, streams), inplace=True,
+             seen=seen)
 
 
 def _call(ts, reads, flags) -> Call:

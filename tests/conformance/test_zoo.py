@@ -21,18 +21,20 @@ from hypothesis import strategies as st
 from . import run, spec
 from .draws import no_local_constants
 from .spec import domains
+from .test_native import PROFILE_EXAMPLES
 
 ZOO_EXAMPLES = 150
 
 
 def catch_budget(prop: str) -> int:
     """The examples a planted bug gets: ZOO_EXAMPLES (pure PyTorch: a bug that needs a rare combination is still
-    drawn); under the device's draws, forward and backward get the gpu profile's count, so that a bug the zoo names
-    for them is shown caught within what a certifying run gives them. An invariant keeps ZOO_EXAMPLES: some catch
-    their bug on a few draws in a hundred (Meta's swap_q_k needs a per-token table over b > 1)."""
+    drawn); under the device's draws, forward, backward and determinism get the gpu profile's count for them
+    (test_native.PROFILE_EXAMPLES), so that a bug the zoo names for them is shown caught within what a certifying run
+    gives them. An invariant keeps ZOO_EXAMPLES: some catch their bug on a few draws in a hundred (Meta's swap_q_k
+    needs a per-token table over b > 1)."""
     if spec.small() or prop not in PROPERTIES:
         return ZOO_EXAMPLES
-    return settings.get_profile("gpu").max_examples
+    return PROFILE_EXAMPLES["gpu"].get(prop) or settings.get_profile("gpu").max_examples
 
 
 # The correct implementation's examples: on the device's draws (tensors up to tens of MB, the float64 oracle on

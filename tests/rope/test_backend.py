@@ -99,3 +99,73 @@ def test_every_convention_is_registered_once():
     assert {"hf", "vllm", "meta", "flash", "mrope", "torchtitan", "torchtitan-positions", "qknorm", "qknorm-cache",
             "qknorm-te", "te", "kv-cache"} <= set(backend.CONVENTIONS)
     assert all(name == conv.name for name, conv in backend.CONVENTIONS.items())
+
+
+def _hf_args(gen, dtype=torch.float32):
+    q = torch.randn(2, 3, 5, 8, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(2, 1, 5, 8, generator=gen).to(DEVICE, dtype)
+    cos = torch.randn(2, 5, 8, generator=gen).to(DEVICE, dtype)
+    sin = torch.randn(2, 5, 8, generator=gen).to(DEVICE, dtype)
+    return q, k, cos, sin
+
+
+def test_static_checks_run_once_per_signature(monkeypatch):
+    """`check_once`: a front end's static checks run on the first sight of a signature only; another dtype, shape or
+    flag value is another signature, checked again (and refused where it is wrong)."""
+    import rope.hf as hf
+    monkeypatch.setattr(backend, "_SEEN", _memo.Memo("signatures of this test", 4096))
+    calls = []
+    checks = hf._check_pair
+    monkeypatch.setattr(hf, "_check_pair", lambda *a: (calls.append(a), checks(*a))[1])
+    gen = torch.Generator().manual_seed(3)
+    q, k, cos, sin = _hf_args(gen)
+    for _ in range(3):
+        hf.apply_rotary_pos_emb(q, k, cos, sin)
+    assert len(calls) == 1
+    hf.apply_rotary_pos_emb(*_hf_args(gen))  # new tensors, the same signature
+    assert len(calls) == 1
+    hf.apply_rotary_pos_emb(*_hf_args(gen, torch.float16))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="unsqueeze_dim"):
+        hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
+    with pytest.raises(ValueError, match="cos"):
+        hf.apply_rotary_pos_emb(q, k, cos[:, :4], sin[:, :4])
+    assert len(calls) == 4
+
+
+def test_a_seen_signature_keeps_its_own_call():
+    """Two front ends with the same arguments (transformers' half-split and GLM's interleaved forms) each keep the
+    `Call` their own checked signature made: the second is not given the first one's pairing."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, cos, sin = _hf_args(gen)
+    for _ in range(2):
+        half = rope.hf.apply_rotary_pos_emb(q, k, cos, sin)
+        glm = rope.hf.apply_rotary_pos_emb_glm(q, k, cos, sin)
+        cos_i = cos[..., :4].repeat_interleave(2, -1).unsqueeze(1)
+        sin_i = sin[..., :4].repeat_interleave(2, -1).unsqueeze(1)
+        for x, got_half, got_glm in ((q, half[0], glm[0]), (k, half[1], glm[1])):
+            x64 = x.double()
+            rot_half = torch.cat([-x64[..., 4:], x64[..., :4]], -1)
+            pairs = torch.stack([-x64[..., 1::2], x64[..., ::2]], -1).flatten(-2)
+            torch.testing.assert_close(got_half.double(), x64 * cos.double().unsqueeze(1) +
+                                       rot_half * sin.double().unsqueeze(1), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got_glm.double(), x64 * cos_i.double() + pairs * sin_i.double(),
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_per_call_checks_after_a_seen_signature(monkeypatch):
+    """What a static check cannot know stays checked on every call: vLLM's in-place query, once a leaf that requires
+    grad, is refused under a signature already seen (its requires_grad is part of the signature's tensor, so the
+    signature is the one of a plain tensor here: the check is autograd's state)."""
+    monkeypatch.setattr(backend, "_SEEN", _memo.Memo("signatures of this test", 4096))
+    gen = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, 16, (4,), generator=gen).to(DEVICE)
+    cache = torch.randn(16, 8, generator=gen).to(DEVICE)
+    query = torch.randn(4, 2 * 8, generator=gen).to(DEVICE)
+    key = torch.randn(4, 8, generator=gen).to(DEVICE)
+    rope.vllm.rotary_embedding(positions, query, key, 8, cache, True)
+    leaf = torch.randn(4, 2 * 8, generator=gen).to(DEVICE).requires_grad_()
+    with pytest.raises(ValueError, match="query: in-place rotation of a"):
+        rope.vllm.rotary_embedding(positions, leaf, key, 8, cache, True)
+    with pytest.raises(ValueError, match="key"):  # key overlapping query
+        rope.vllm.rotary_embedding(positions, query, query[:, :8], 8, cache, True)
