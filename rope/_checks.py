@@ -91,23 +91,18 @@ def check_static(t, freqs, tensor_format, start_positions, interleaved, cu_seqle
         raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank: expected an int in [0, cp_size={cp_size}), got {cp_rank!r}")
-    d = t.shape[-1]
-    s2, d2 = freqs.shape[0], freqs.shape[3]
-
+    s2 = freqs.shape[0]
     if tensor_format == "thd":
         if cu_seqlens is None:
             raise ValueError("cu_seqlens: required when tensor_format is 'thd'")
         check_index_tensor("cu_seqlens", cu_seqlens, t)
         if cu_seqlens.shape[0] < 1:
             raise ValueError("cu_seqlens: expected shape [n + 1] with n >= 0, got an empty tensor")
-        s, b, h = t.shape[0], 1, t.shape[1]
-        n_seqs = cu_seqlens.shape[0] - 1
-        n_pos = n_seqs
+        n_pos = cu_seqlens.shape[0] - 1
     else:
         if cu_seqlens is not None:
             raise ValueError(f"cu_seqlens: only valid with tensor_format 'thd', got {tensor_format!r}")
-        s, b = (t.shape[0], t.shape[1]) if tensor_format == "sbhd" else (t.shape[1], t.shape[0])
-        h, n_seqs, n_pos = t.shape[2], 0, b
+        s, n_pos = (t.shape[0], t.shape[1]) if tensor_format == "sbhd" else (t.shape[1], t.shape[0])
         if cp_size > 1 and s % 2:
             raise ValueError(f"{name}: with cp_size > 1 the local sequence length must be even, got {s}")
         if s > 0 and _max_position(s, cp_size, cp_rank) >= s2:

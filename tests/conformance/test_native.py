@@ -15,8 +15,8 @@ invariants run as test_invariant[convention-invariant].
 Budget: the Hypothesis profile in force (conftest.py: cpu-interp, gpu, nightly; HYPOTHESIS_PROFILE) and
 ROPE_MAX_EXAMPLES apply to every property here. Two profiles give each kind of property its own count
 (PROFILE_EXAMPLES): the CI default (cpu-interp) its small counts, and the gpu profile the counts at which the zoo's
-planted bugs are caught under the device's draws. ROPE_MAX_EXAMPLES, where set, gives every property that many; the nightly profile
-gives every property its own count.
+planted bugs are caught under the device's draws. ROPE_MAX_EXAMPLES, where set, gives every property that many; the
+nightly profile gives every property its own count.
 """
 from __future__ import annotations
 
