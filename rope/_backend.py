@@ -200,7 +200,7 @@ def apply(ts, call, angles, *, start_positions=None, token_index=None, pos_table
     which keeps them as a `Request`; the no-grad call builds none (the hot path: straight to the launcher)."""
     if torch.is_grad_enabled() and (ts[0].requires_grad or (len(ts) > 1 and ts[1].requires_grad)):
         request = Request(call, angles, start_positions, token_index, pos_table, inplace)
-        if len(ts) == 1 and leaf_written(ts[0], inplace):
+        if inplace and len(ts) == 1 and leaf_written(ts[0], inplace):
             return (write_leaf(ts[0], lambda t, backward: _rotate(request, (t,), backward)[0]),)
         written = "dirty" if inplace else None
         if inplace and len(ts) > 1 and (ts[0]._is_view() or ts[1]._is_view()):
@@ -293,17 +293,19 @@ def convention(name, call, reads, reference, norm=False, launch=None) -> Convent
 
 
 def signature(name, tensors, flags) -> tuple:
-    """The call memo's key, derived from what Triton specializes on and what a plan depends on: the convention's
-    name; its flags with the type of each (True and 1 hash alike); for each tensor its shape, strides, dtype, device
-    (a `torch.device`: `get_device()` gives -1 for the CPU and the meta device alike) and 16-byte alignment, in line
-    (None stays one None: a convention's tensors come in a fixed order). One tuple build: the hot path's cost is this
-    and a dict lookup."""
+    """The memo's key of a call, derived from what the checks and a `Call` read: the convention's (or front end's)
+    name; its flags with the type of each (True and 1 hash alike); for each tensor its shape, strides, dtype and
+    device (a `torch.device`: `get_device()` gives -1 for the CPU and the meta device alike), in line (None stays one
+    None: a convention's tensors come in a fixed order). What else Triton specializes on, each pointer's 16-byte
+    alignment, is in the key of every launch plan (`rope._launch`), which holds it for the tensors the kernel is
+    actually given (a table's cached copy, a contiguous weight). One tuple build: the hot path's cost is this and a
+    dict lookup."""
     key = [name, flags, tuple(map(type, flags))]
     for x in tensors:
         if x is None:
             key.append(None)
         else:
-            key += (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
+            key += (x.shape, x.stride(), x.dtype, x.device)
     return tuple(key)
 
 

@@ -33,8 +33,17 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     """
     if not (isinstance(fused, bool) and isinstance(inplace, bool)):  # `fused` picks the path: checked first
         check_bools(fused=fused, inplace=inplace)
-    reads, flags = _arguments(freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank)
-    call = _checked((t,), ("t",), reads, flags, fused)
+    flags = (tensor_format, interleaved, cp_size, cp_rank)
+    if isinstance(freqs, RoPECache):
+        reads = (freqs.as_freqs, start_positions, cu_seqlens, freqs.cos, freqs.sin)
+    else:
+        reads = (freqs, start_positions, cu_seqlens, None, None)
+    if fused:  # the memoised checks (`_checked`, written out: the hot path of TransformerEngine's call)
+        call = checked_call(t, reads[0], tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
+        if start_positions is not None or cu_seqlens is not None:
+            check_positions(call.layout, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    else:
+        call = _checked((t,), ("t",), reads, flags, fused)
     if inplace:  # after the value checks, in the reference's order
         check_inplace("t", t)
     return dispatch(TE, (t,), reads, flags, inplace=inplace, fits=fused, call=call)[0]

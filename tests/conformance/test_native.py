@@ -151,7 +151,7 @@ def test_declared_domain(target, name):
     (CI_PROFILE, {}, CPU_EXAMPLES),
     (CI_PROFILE, {"ROPE_MAX_EXAMPLES": "200"}, {}),
     ("nightly", {}, {}),
-    ("gpu", {}, {"invariant": 40, "determinism": 40}),
+    ("gpu", {}, {"backward": 50, "invariant": 40, "determinism": 20}),
     ("gpu", {"ROPE_MAX_EXAMPLES": "200"}, {}),
     ("nightly", {"ROPE_MAX_EXAMPLES": "7"}, {}),
 ])

@@ -66,28 +66,35 @@ def _hf(cos):
 
 def test_memo_keys_are_derived_from_every_tensor(monkeypatch):
     """Every memo entry is keyed by `rope._backend.signature` under a registered convention's name, over every tensor
-    the call reads: a table at another 16-byte alignment (which Triton specializes on) gets an entry of its own."""
+    the call reads; a table at another 16-byte alignment (which Triton specializes on) gets a launch plan of its own
+    under the same call, and each result is the reference's."""
     if not backend.on_kernel_device(torch.empty(0, device=DEVICE)):
         pytest.skip("the reference path keeps no memo")
     monkeypatch.setattr(backend, "_CALLS", _memo.Memo("calls of this test", 4096))
+    monkeypatch.setattr(backend, "_SEEN", _memo.Memo("signatures of this test", 4096))
     wide = torch.rand(1, 5, 9, device=DEVICE)
     aligned, shifted = wide[..., :8], wide[..., 1:]
     assert aligned.data_ptr() % 16 != shifted.data_ptr() % 16
-    _hf(aligned.contiguous())
-    _hf(shifted.contiguous())
-    _hf(aligned)
-    _hf(shifted)
+    for cos in (aligned.contiguous(), shifted.contiguous(), aligned, shifted):
+        q, k = (_hf(cos)[i] for i in (0, 1))
+        gen = torch.Generator().manual_seed(0)
+        q0 = torch.randn(1, 2, 5, 8, generator=gen).to(DEVICE)
+        k0 = torch.randn(1, 1, 5, 8, generator=gen).to(DEVICE)
+        want = [x * cos.unsqueeze(1) + torch.cat([-x[..., 4:], x[..., :4]], -1) * cos.unsqueeze(1) for x in (q0, k0)]
+        torch.testing.assert_close((q, k), tuple(want))
     keys = list(backend._CALLS)
     assert all(key[0] in backend.CONVENTIONS for key in keys), keys
-    assert len(keys) == 3, keys  # contiguous tables once, then each strided table by its alignment
+    assert len(keys) == 2, keys  # the contiguous tables' call, the strided tables' call
+    plans = sorted(len(call.plans) for call in backend._CALLS.values())
+    assert plans == [1, 2], plans  # the strided call: a plan for each alignment of its table
 
 
-def test_signature_lists_what_triton_specializes_on():
-    """For each tensor: shape, strides, dtype, device, 16-byte alignment; for each flag its type and value (True
-    and 1 differ); None stays None."""
+def test_signature_lists_what_checks_and_calls_read():
+    """For each tensor: shape, strides, dtype, device; for each flag its type and value (True and 1 differ); None
+    stays None."""
     x = torch.zeros(2, 3)
     assert backend.signature("c", (x, None), (True, 1, "sbhd")) == (
-        "c", (True, 1, "sbhd"), (bool, int, str), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, None)
+        "c", (True, 1, "sbhd"), (bool, int, str), x.shape, x.stride(), x.dtype, x.device, None)
     assert backend.signature("c", (), (True,)) != backend.signature("c", (), (1,))
     # the CPU and the meta device differ (their get_device() is -1 alike): a meta tensor never finds a CPU call's memo
     meta = torch.empty(2, 3, device="meta")
