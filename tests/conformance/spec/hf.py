@@ -285,8 +285,56 @@ def partial_is_sliced(conv, fn, caps, plan):
                        case.args[name][..., r:].to(g.dtype))
 
 
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance: a sequence's results are bitwise the same computed in the whole batch, alone (batch 1, its
+    own tensors) and at another batch index (the batch rolled by one), and so are its gradients from the same
+    upstream gradients, where the convention has a backward (what an RL trainer needs of the rollout engine's
+    kernel). A batch of at least two; per-sequence tables go with their sequence."""
+    b = max(plan.b, 2)
+    case = make_case(conv, caps, plan._replace(b=b, cos_batch=b if plan.cos_batch > 1 else 1))
+    names = rotated(case)
+    grads = caps.get("backward", True) and not caps.get("in_place")
+    gen = torch.Generator().manual_seed(plan.seed + 3)
+    ups = None
+
+    def run(args):
+        """fn's results on `args` (the case's, some replaced) and, with grads, the gradients of the rotated inputs
+        (leaves copied from them) from the upstream gradients given with them (`ups` sliced or rolled alike)."""
+        leaves = {n: args[n].detach().clone().requires_grad_(grads) for n in names}
+        with torch.set_grad_enabled(grads):
+            outs = call(fn, case, **{n: v for n, v in {**args, **leaves}.items() if not n.startswith("_up_")})
+        if not grads:
+            return outs, ()
+        torch.autograd.backward(outs, [args["_up_" + n] for n in names])
+        return outs, tuple(leaves[n].grad for n in names)
+
+    per_sequence = [n for n in ("cos", "sin", "position_ids") if isinstance(case.args.get(n), torch.Tensor)
+                    and case.args[n].dim() >= 2 + (n != "position_ids") and case.args[n].shape[0] == b]
+    whole = {n: case.args[n] for n in names + per_sequence}
+    if grads:
+        outs = call(fn, case)
+        ups = {"_up_" + n: torch.randn(tuple(o.shape), generator=gen, dtype=torch.float64).to(o.dtype).to(o.device)
+               for n, o in zip(names, outs, strict=True)}
+    ups = ups or {}
+    want, want_grads = run({**whole, **ups})
+    rolled = {n: torch.roll(x, 1, 0) for n, x in {**whole, **ups}.items()}
+    got_rolled, grads_rolled = run(rolled)
+    for i in sorted({0, b - 1, plan.seed % b}):
+        alone, alone_grads = run({n: x[i:i + 1].clone() for n, x in {**whole, **ups}.items()})
+        j = (i + 1) % b
+        for name, w, a, r in zip(names, want, alone, got_rolled, strict=True):
+            assert_bitwise(f"batch invariance: {name} of sequence {i} alone, against in the batch of {b}", a[0], w[i])
+            assert_bitwise(f"batch invariance: {name} of sequence {i} at index {j}, against at {i}", r[j], w[i])
+        for name, w, a, r in zip(names, want_grads, alone_grads, grads_rolled, strict=True) if grads else ():
+            assert_bitwise(f"batch invariance: the gradient of {name} of sequence {i} alone, against in the batch "
+                           f"of {b}", a[0], w[i])
+            assert_bitwise(f"batch invariance: the gradient of {name} of sequence {i} at index {j}, against at {i}",
+                           r[j], w[i])
+
+
 INVARIANTS = {
     "unsqueeze_transposed": unsqueeze_dim_transposed,
+    "batch_rows_alone": batch_rows_alone,
     "tables_batch_broadcast": tables_batch_broadcast,
     "q_k_independent": q_k_independent,
     "swap_q_k": swap_q_k,

@@ -15,6 +15,7 @@ from . import Case
 from .hf import (
     HF,
     Plan,
+    batch_rows_alone,
     call,
     heads_domain,
     inverse,
@@ -62,6 +63,7 @@ def heads_together(conv, fn, caps, plan):
 
 HFSingle.INVARIANTS = {
     "unsqueeze_transposed": unsqueeze_dim_transposed,
+    "batch_rows_alone": batch_rows_alone,
     "tables_batch_broadcast": tables_batch_broadcast,
     "inverse": inverse,
     "partial_is_sliced": partial_is_sliced,

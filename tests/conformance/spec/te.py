@@ -596,6 +596,42 @@ def sequences_independent(conv, fn, caps, plan):
         agree(f"backward: sequence {i} alone (start {k} as freqs[{k}:])", g, grad[index], up[index], p, caps)
 
 
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise: each sequence (a batch entry, or a packed thd sequence) called alone, its own tensors
+    and its own start position given as start_positions (the whole call's mechanism), gives bitwise its results in
+    the whole call, forward and backward (what an RL trainer needs of the rollout engine's kernel); sbhd and bshd
+    also with the batch rolled by one (each sequence at another index)."""
+    p = plan._replace(b=max(plan.b, 2), grad_layout="contiguous") if plan.tensor_format != "thd" else \
+        plan._replace(grad_layout="contiguous")
+    case = make_case(conv, caps, p)
+    t, start = case.args["t"], case.args.get("start_positions")
+    out, grad, up = forward_backward(fn, case)
+    if p.tensor_format == "thd":
+        cu = case.args["cu_seqlens"].tolist()
+        local = [v // p.cp_size for v in cu]
+        spans = [(i, slice(a, e)) for i, (a, e) in enumerate(zip(local[:-1], local[1:], strict=True)) if e > a]
+    else:
+        spans = [(i, slice(i, i + 1)) for i in range(p.b)]
+    dim = 1 if p.tensor_format == "sbhd" else 0
+    for i, span in spans[:2] if small() else spans:
+        index = (slice(None),) * dim + (span,)
+        extra = dict(cu_seqlens=torch.tensor([0, cu[i + 1] - cu[i]], dtype=p.cu_dtype, device=t.device)) \
+            if p.tensor_format == "thd" else {}
+        if start is not None:
+            extra["start_positions"] = start[i:i + 1].clone()
+        o, g, _ = forward_backward(fn, case, up=up[index].clone(), t=t[index].clone(), **extra)
+        assert_bitwise(f"batch invariance: sequence {i} alone, against in the whole call", o, out[index])
+        assert_bitwise(f"batch invariance: the gradient of sequence {i} alone, against in the whole call", g,
+                       grad[index])
+    if p.tensor_format != "thd" and p.b > 1:
+        extra = {} if start is None else dict(start_positions=torch.roll(start, 1, 0))
+        o, g, _ = forward_backward(fn, case, up=torch.roll(up, 1, dim), t=torch.roll(t, 1, dim), **extra)
+        assert_bitwise("batch invariance: the batch rolled by one, against the whole call rolled", o,
+                       torch.roll(out, 1, dim))
+        assert_bitwise("batch invariance: the gradients of the batch rolled by one, against the whole call's rolled",
+                       g, torch.roll(grad, 1, dim))
+
+
 def channel_order(d: int, rot: int) -> torch.Tensor:
     """Interleaved channels as half-split ones: pairs (2k, 2k + 1) become (k, k + d2 / 2); the rest in place."""
     return torch.tensor(list(range(0, rot, 2)) + list(range(1, rot, 2)) + list(range(rot, d)))
@@ -872,6 +908,7 @@ TE.INVARIANTS = {
     "formats_agree": formats_agree,
     "cp_shards": cp_shards,
     "sequences_independent": sequences_independent,
+    "batch_rows_alone": batch_rows_alone,
     "interleaved_is_permuted_half_split": interleaved_is_permuted_half_split,
     "layouts_agree": layouts_agree,
     "deterministic": deterministic,

@@ -33,6 +33,15 @@ def math_changes_between_calls(q, k, cos, sin, position_ids=None, unsqueeze_dim=
     return _embed(q, cos, sin, out, math), _embed(k, cos, sin, out, math)
 
 
+def math_depends_on_batch(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """A single sequence computes in float64, a batch in float32 (a kernel picking its path by the batch size): each
+    result within one rounding, but a sequence's result depends on what else is in the batch."""
+    out = torch.promote_types(q.dtype, cos.dtype)
+    math = torch.float64 if q.shape[0] == 1 else torch.float32
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return _embed(q, cos, sin, out, math), _embed(k, cos, sin, out, math)
+
+
 def k_rotates_q(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """k's expression reads rotate_half(q) (a typo that survives when k is a copy of q)."""
     out = torch.promote_types(q.dtype, cos.dtype)
@@ -318,5 +327,6 @@ BUGS = {
     "grad_read_as_contiguous": (grad_read_as_contiguous, ("backward",)),
     "grad_channels_read_as_adjacent": (grad_channels_read_as_adjacent, ("backward",)),
     "math_changes_between_calls": (math_changes_between_calls, ("determinism",)),
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "k_grad_batch_by_q_heads": (k_grad_batch_by_q_heads, ("backward",)),
 }

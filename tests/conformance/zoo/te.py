@@ -272,6 +272,21 @@ def _nondeterministic():
     return apply_rotary_pos_emb
 
 
+def _math_depends_on_batch():
+    """A kernel picking its path by the batch (by the number of tokens): a single sequence, or a call of few tokens,
+    computes in float64, a larger one in float32; each result within one rounding, but a sequence's result depends on
+    what else is in the call."""
+    def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False, fused=True,
+                             cu_seqlens=None, cp_size=1, cp_rank=0):
+        alone = (cu_seqlens is not None and cu_seqlens.shape[0] <= 2) if tensor_format == "thd" else \
+            t.shape[1 if tensor_format == "sbhd" else 0] <= 1
+        return rope_call(t, freqs, tensor_format, start_positions, interleaved, fused, cu_seqlens, cp_size, cp_rank,
+                         math=torch.float64 if alone else torch.float32)
+
+    return apply_rotary_pos_emb
+
+
+math_depends_on_batch = _math_depends_on_batch()
 sign_flipped = _te({"sign": -1.0})
 whole_head_partner = _te({"whole_head_partner": True})
 reads_one_angle_per_pair = _te({"one_angle_per_pair": True})
@@ -349,6 +364,7 @@ BUGS = {
                                                                             "sequences_independent", "adjoint")),
     "ignores_cp_rank": (ignores_cp_rank, ("forward", "cp_shards")),
     "cp_chunks_swapped_order": (cp_chunks_swapped_order, ("forward", "cp_shards")),
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "thd_positions_not_restarting": (thd_positions_not_restarting, ("forward", "formats_agree", "cp_shards",
                                                                     "sequences_independent", "zero_angles_identity")),
     "thd_start_positions_skip_empty": (thd_start_positions_skip_empty, ("forward", "sequences_independent")),
