@@ -119,6 +119,12 @@ def pytest_addoption(parser):
         help="a named --rope-impl that is not installed ends the run as skipped (exit status 0) instead of failing "
              "it: for CI jobs that run where a peer may be absent")
     parser.addoption(
+        "--rope-schedule", default=None, metavar="NAME",
+        help="also certify that the target is bitwise equal to a named PyTorch schedule of its convention on every "
+             "draw (test_native.py's test_schedule): eager (the convention's own expression in the input dtype, as "
+             "transformers writes it) or float32 (float32 math, one rounding); a convention without that schedule "
+             "is skipped, naming it")
+    parser.addoption(
         "--conformance-report", default=None, metavar="PATH",
         help="write the implementation x property table of the native properties (pass / fail with the shrunk "
              "counterexample / not supported with the reason) to PATH: Markdown, or JSON when PATH ends in .json")
@@ -169,6 +175,12 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     return [f"rope-impl: {config.getoption('--rope-impl')}, hypothesis profile: {_PROFILE}"]
+
+
+@pytest.fixture(scope="session")
+def schedule(request):
+    """The --rope-schedule name, or None."""
+    return request.config.getoption("--rope-schedule")
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ backward(conv, fn, caps, plan): the differentiable arguments given as views of t
     convention's plans draw layouts of their own); each gradient within the accuracy model of the float64
     definition's vector-Jacobian product; the upstream gradients left as they were.
 inverse(conv, fn, caps, plan): the convention's own call with the angles negated undoes the first (oracle-free).
+schedule(conv, fn, caps, plan, name): the outputs bitwise equal to a named PyTorch schedule of the convention
+    (`--rope-schedule`).
 determinism(conv, fn, caps, plan, upstream): two identical calls, each on inputs built alike from the plan's seed,
     give bitwise the same outputs (returned and written in place) and, where the convention has a backward, the same
     gradients from the same upstream gradients (oracle-free).
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import accuracy, pairing
+from .compare import assert_bitwise
 from .contract import Returned, Snapshot, bits, check_returned
 from .spec.domains import lay_out_upstream, settle_defaults
 from .tensors import Arena
@@ -160,6 +163,18 @@ def _one_call(conv, fn, caps, plan, upstream) -> dict:
         torch.autograd.backward([got[n] for n in wanted], ups)
         seen.update({f"gradient of {n}": bits(leaf.grad) for n, leaf in leaves.items() if leaf.grad is not None})
     return seen
+
+
+def schedule(conv, fn, caps, plan, name: str):
+    """The call's outputs bitwise equal to the convention's schedule `name` (conv.SCHEDULES) on the same arguments;
+    the first differing element named with both values' bits (compare.assert_bitwise)."""
+    case = make_case(conv, caps, plan)
+    want = conv.SCHEDULES[name](case)
+    with torch.no_grad():
+        result = case.call(fn)
+    got, _ = outputs(conv, case, result)
+    for out, w in want.items():
+        assert_bitwise(f"schedule {name}: {out}", got[out], w)
 
 
 def determinism(conv, fn, caps, plan, upstream: str = "contiguous"):

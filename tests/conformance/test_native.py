@@ -111,6 +111,20 @@ def test_determinism(target, name, data):
     run.determinism(conv, fn, caps, data.draw(conv.plans(caps), label="plan"), upstream)
 
 
+@pytest.mark.parametrize("name", CONVENTIONS)
+@budget("forward")
+@given(data=st.data())
+def test_schedule(target, schedule, name, data):
+    """With --rope-schedule NAME: the target's outputs bitwise equal to the convention's schedule NAME on every draw
+    (run.schedule), beside the accuracy verdict of test_forward."""
+    if schedule is None:
+        pytest.skip("no --rope-schedule given")
+    conv, fn, caps = convention_of(target, name)
+    if schedule not in conv.SCHEDULES:
+        pytest.skip(f"{name} has no schedule {schedule!r} (its schedules: {', '.join(conv.SCHEDULES) or 'none'})")
+    run.schedule(conv, fn, caps, data.draw(conv.plans(caps), label="plan"), schedule)
+
+
 PINNED = [(name, i) for name in CONVENTIONS for i in range(len(spec.load(name).PINS))]
 
 

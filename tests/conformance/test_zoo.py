@@ -199,3 +199,39 @@ def test_declared_off_is_not_drawn(prop):
     fn = zoo("meta").reshape_as_meta
     assert falsify("meta", prop, fn, declared=fn.rope_capabilities, max_examples=60) is None
     assert falsify("meta", prop, fn) is not None, "s = 0 was never drawn"
+
+
+# `--rope-schedule` on the zoo: transformers' expression as its models run it passes the `eager` schedule and fails the
+# `float32` one, the float32-accurate implementation the other way round (16-bit draws tell them apart).
+SCHEDULE_VERDICTS = [("eager", "eager", True), ("eager", "correct", False), ("float32", "correct", True),
+                     ("float32", "eager", False)]
+
+
+@pytest.mark.parametrize("schedule,impl,passes", SCHEDULE_VERDICTS,
+                         ids=[f"{s}-{i}" for s, i, _ in SCHEDULE_VERDICTS])
+def test_schedule_verdict(schedule, impl, passes):
+    conv = spec.load("hf")
+    fn = getattr(zoo("hf"), impl)
+    caps = conv.caps(getattr(zoo("hf"), "CAPS", {}))
+    failures = []
+
+    @settings(max_examples=ZOO_EXAMPLES if passes else 60, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def probe(data):
+        try:
+            run.schedule(conv, fn, caps, data.draw(conv.plans(caps)), schedule)
+        except AssertionError as e:
+            failures.append(e)
+            raise
+
+    with no_local_constants():
+        try:
+            probe()
+        except AssertionError:
+            pass
+    if passes:
+        assert not failures, f"{impl} fails the schedule {schedule}: {failures[0]}"
+    else:
+        assert failures, f"{impl} passed the schedule {schedule}"
+        assert f"schedule {schedule}" in str(failures[0])

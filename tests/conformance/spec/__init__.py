@@ -70,6 +70,9 @@ class Convention:
     # The convention's own invariants: name -> check(conv, fn, caps, plan), run as run.forward is (test_native.py
     # runs each as test_invariant[convention-name]; test_zoo.py names them as catching planted bugs).
     INVARIANTS: dict = {}
+    # Named schedules (`--rope-schedule`): name -> schedule(case) -> {output name: tensor}, the bits a PyTorch
+    # program of that schedule gives on the case's arguments as given, on their device (run.schedule).
+    SCHEDULES: dict = {}
     # Edge cases run forward and backward on every run before any drawn plan (test_native.py's test_pinned), as
     # Hypothesis' @example runs them: each a plan, run where outside(plan, caps) finds it within the capabilities.
     PINS: tuple = ()

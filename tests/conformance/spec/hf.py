@@ -332,6 +332,40 @@ def batch_rows_alone(conv, fn, caps, plan):
                            r[j], w[i])
 
 
+def _rotate_half(x):
+    """transformers' rotate_half: the halves (x1, x2) as (-x2, x1)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _expression(x, cos, sin, math):
+    """transformers' `apply_rotary_pos_emb` on one tensor, partial rotary sliced and concatenated as GPT-NeoX's form
+    writes it: with `math` None in the input dtypes, each operation rounded to torch's promotion of its operands (as
+    eager PyTorch runs the expression); else in `math`, rounded once to the promotion of x's and cos's dtypes."""
+    r = cos.shape[-1]
+    out = torch.promote_types(x.dtype, cos.dtype)
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    if math is not None:
+        x_rot, cos, sin = x_rot.to(math), cos.to(math), sin.to(math)
+    embed = (x_rot * cos) + (_rotate_half(x_rot) * sin)
+    return torch.cat([embed.to(out), x_pass.to(out)], dim=-1)
+
+
+def _schedule(math):
+    def schedule(case):
+        p = case.plan
+        cos, sin = case.args["cos"].unsqueeze(p.unsqueeze_dim), case.args["sin"].unsqueeze(p.unsqueeze_dim)
+        with torch.no_grad():
+            return {n: _expression(case.args[n], cos, sin, math) for n in rotated(case)}
+    return schedule
+
+
+# --rope-schedule: `eager`, the expression as transformers' models run it; `float32`, float32 math and one rounding
+# (each product and the sum rounded to float32 in turn: PyTorch's operations, not a fused multiply-add)
+SCHEDULES = {"eager": _schedule(None), "float32": _schedule(torch.float32)}
+HF.SCHEDULES = SCHEDULES
+
+
 INVARIANTS = {
     "unsqueeze_transposed": unsqueeze_dim_transposed,
     "batch_rows_alone": batch_rows_alone,

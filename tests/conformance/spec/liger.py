@@ -59,6 +59,7 @@ class Liger(HF):
     }
     DOMAIN = {**HF.DOMAIN,
               "cos": (*HF.DOMAIN["cos"], domains.cls("[s, r] (rank 2)", lambda p, c: p.rank2, "rank2_tables"))}
+    SCHEDULES = {}  # Liger computes in cos's dtype and writes q's in place: not transformers' expression
     INVARIANTS = {**{k: v for k, v in INVARIANTS.items() if k != "unsqueeze_transposed"},
                   "rank2_tables": rank2_tables}
 

@@ -33,6 +33,22 @@ def math_changes_between_calls(q, k, cos, sin, position_ids=None, unsqueeze_dim=
     return _embed(q, cos, sin, out, math), _embed(k, cos, sin, out, math)
 
 
+def eager(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """transformers' expression as its models run it eagerly, each operation rounded to torch's promotion of its
+    operands' dtypes (not a planted bug: the schedule `eager`, within the `dtype` accuracy model, not the float32
+    one)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return tuple(_as_transformers(x, cos, sin) for x in (q, k))
+
+
+def _as_transformers(x, cos, sin):
+    r = cos.shape[-1]
+    out = torch.promote_types(x.dtype, cos.dtype)
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    embed = (x_rot * cos) + (rotate_half(x_rot) * sin)
+    return torch.cat([embed.to(out), x_pass.to(out)], dim=-1)
+
+
 def math_depends_on_batch(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """A single sequence computes in float64, a batch in float32 (a kernel picking its path by the batch size): each
     result within one rounding, but a sequence's result depends on what else is in the batch."""
