@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from .. import pairing
 from ..accuracy import bound
-from ..compare import assert_undone, assert_within
+from ..compare import assert_bitwise, assert_undone, assert_within
 from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
@@ -214,6 +214,26 @@ def batch_entry_alone(conv, fn, caps, plan):
                       2, _model(caps))
 
 
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise: each batch entry called alone (its own tensors, its own rows of a per-token
+    freqs_cis) and the batch rolled by one give bitwise the entry's results in the whole call."""
+    case = make_case(conv, caps, plan._replace(b=max(plan.b, 2)))
+    xq, xk, f = case.args["xq"], case.args["xk"], case.args["freqs_cis"]
+    b = xq.shape[0]
+    per_batch = plan.table in ("batch", "expanded")  # [b, s, d/2]; "seq" [s, d/2] and "one" [1, s, d/2] are shared
+    full = call(fn, case)
+    for i in sorted({0, b - 1, plan.seed % b}):
+        rows = dict(freqs_cis=f[i:i + 1].clone()) if per_batch else {}
+        alone = call(fn, case, xq=xq[i:i + 1].clone(), xk=xk[i:i + 1].clone(), **rows)
+        for name, a, w in zip(("xq", "xk"), alone, full, strict=True):
+            assert_bitwise(f"batch invariance: {name} of entry {i} alone, against in the batch of {b}", a[0], w[i])
+    rows = dict(freqs_cis=torch.roll(f, 1, 0)) if per_batch else {}
+    rolled = call(fn, case, xq=torch.roll(xq, 1, 0), xk=torch.roll(xk, 1, 0), **rows)
+    for name, r, w in zip(("xq", "xk"), rolled, full, strict=True):
+        assert_bitwise(f"batch invariance: {name} with the batch rolled by one, against the whole call's rolled", r,
+                       torch.roll(w, 1, 0))
+
+
 def swap_q_k(conv, fn, caps, plan):
     """fn(xk, xq) returns fn(xq, xk)'s results swapped (equal head counts), within two roundings."""
     case = make_case(conv, caps, plan._replace(hk=plan.hq))
@@ -228,6 +248,7 @@ Meta.INVARIANTS = {
     "conj_undoes": conj_undoes,
     "shared_rows_per_token": shared_rows_per_token,
     "batch_entry_alone": batch_entry_alone,
+    "batch_rows_alone": batch_rows_alone,
     "swap_q_k": swap_q_k,
 }
 CONVENTION = Meta()

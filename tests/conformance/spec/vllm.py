@@ -297,7 +297,36 @@ def is_neox_moves_channels(conv, fn, caps, plan):
                       caps.get("accuracy", "float32"))
 
 
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise: each token called alone (its own position, query and key) and the tokens rolled by
+    one give bitwise the token's results in the whole call (flat positions, query and key in buffers of their own)."""
+    p = plain(plan, lead=(max(plan.tokens, 2),), packed=False)
+    case = make_case(conv, caps, p)
+    names = [n for n in ("query", "key") if case.args[n] is not None]
+    given = {n: case.args[n].clone() for n in ("positions", *names)}
+
+    def call_on(args):
+        """{name: result as [tokens, h, d]}: fn on new tensors `args` (positions, query, key) in the case's form."""
+        one = Case(p._replace(lead=tuple(args["positions"].shape)), {**case.args, **args}, case.positional)
+        with torch.no_grad():
+            one.call(fn)
+        return {n: conv.read(one, n, args[n]) for n in names}
+
+    whole = call_on({n: x.clone() for n, x in given.items()})
+    tokens = p.tokens
+    for i in sorted({0, tokens - 1, plan.seed % tokens}):
+        alone = call_on({n: x[i:i + 1].clone() for n, x in given.items()})
+        for n in names:
+            assert_bitwise(f"batch invariance: {n} of token {i} alone, against among {tokens}", alone[n][0],
+                           whole[n][i])
+    rolled = call_on({n: torch.roll(x, 1, 0) for n, x in given.items()})
+    for n in names:
+        assert_bitwise(f"batch invariance: {n} with the tokens rolled by one, against the whole call's rolled",
+                       rolled[n], torch.roll(whole[n], 1, 0))
+
+
 VLLM.INVARIANTS = {
+    "batch_rows_alone": batch_rows_alone,
     "is_neox_moves_channels": is_neox_moves_channels,
     "flat_equals_heads": flat_equals_heads,
     "batched_positions_equal_flat": batched_positions_equal_flat,

@@ -28,6 +28,16 @@ def correct(xq, xk, freqs_cis):
     return rotated(xq, f), rotated(xk, f)
 
 
+def math_depends_on_batch(xq, xk, freqs_cis):
+    """One batch entry computes in complex128, a batch in complex64 (a kernel picking its path by the batch size):
+    each result within one rounding, but an entry's result depends on what else is in the batch."""
+    f = broadcast(freqs_cis)
+    if xq.shape[0] != 1:
+        return rotated(xq, f), rotated(xk, f)
+    f = f.to(torch.complex128)
+    return tuple(torch.view_as_real(pairs(x, torch.float64) * f).flatten(-2).to(x.dtype) for x in (xq, xk))
+
+
 def half_split_pairs(xq, xk, freqs_cis):
     """Pairs (i, i + d/2) (rotate_half, transformers' layout) instead of Meta's adjacent (2i, 2i + 1)."""
     f = broadcast(freqs_cis)
@@ -129,6 +139,7 @@ reshape_as_meta.rope_capabilities = {"empty": False}
 
 CORRECT = correct
 BUGS = {
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "half_split_pairs": (half_split_pairs, ("forward", "pair_norms")),
     "conj_angle": (conj_angle, ("forward",)),
     "k_first_batch_rows": (k_first_batch_rows, ("forward", "batch_entry_alone", "swap_q_k")),

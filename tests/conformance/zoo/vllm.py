@@ -72,6 +72,14 @@ def correct(positions, query, key, head_size, cos_sin_cache, is_neox):
     rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
+def math_depends_on_batch(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """A single token computes in float64, more in float32 (a kernel picking its path by the token count, as decode
+    and prefill paths do): each result within one rounding, but a token's result depends on what else is in the
+    call."""
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox,
+               math_dtype=torch.float64 if positions.numel() == 1 else torch.float32)
+
+
 def key_with_query_strides(positions, query, key, head_size, cos_sin_cache, is_neox):
     """key addressed with query's token, head and channel strides (one set of strides for both)."""
     strides = strides_of(query, positions.dim(), head_size)
@@ -150,6 +158,7 @@ CORRECT = correct
 CLI_BUG = "is_neox_inverted"
 BUGS = {
     "key_with_query_strides": (key_with_query_strides, ("forward",)),
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "key_none_aliases_query": (key_none_aliases_query, ("forward", "key_none_leaves_query")),
     "batched_positions_first_row": (batched_positions_first_row, ("forward", "batched_positions_equal_flat")),
     "positions_as_contiguous": (positions_as_contiguous, ("forward",)),
