@@ -280,6 +280,48 @@ def varlen_one_sequence_equals_batch(conv, fn, caps, plan):
                  plan.rot, plan.interleaved, caps)
 
 
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise: each sequence (a batch entry, or a varlen sequence) called alone, its own tokens and
+    its own offset given as the whole call gives it, and, without varlen, the batch rolled by one, give bitwise its
+    results in the whole call."""
+    lengths = plan.lengths if len(plan.lengths) > 1 else plan.lengths * 2
+    offsets = plan.offsets
+    if isinstance(offsets, tuple):
+        offsets = offsets if len(offsets) == len(lengths) else (offsets[:1] or (0,)) * len(lengths)
+    max_seqlen = max(lengths) if plan.varlen else None
+    p = plan._replace(lengths=lengths, offsets=offsets, no_batch=False, max_seqlen=max_seqlen,
+                      rows=max(plan.rows, rows_needed(plan.varlen, lengths, max_seqlen, offsets)))
+    case = make_case(conv, caps, p)
+    x, off = case.args["x"].clone(), case.args.get("seqlen_offsets")
+    per_sequence = isinstance(off, torch.Tensor)
+
+    def run_on(**args):
+        one = Case(p, {**case.args, **args}, case.positional, caps=case.caps, omit=case.omit, optional=case.optional)
+        with torch.no_grad():
+            return result_of(one, one.call(fn))
+
+    whole = run_on(x=x.clone())
+    if p.varlen:
+        cu = case.args["cu_seqlens"].tolist()
+        spans = [(i, slice(a, e)) for i, (a, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)) if e > a]
+    else:
+        spans = [(i, slice(i, i + 1)) for i in range(len(lengths))]
+    for i, span in spans:
+        args = dict(x=x[span].clone())
+        if per_sequence:
+            args["seqlen_offsets"] = off[i:i + 1].clone()
+        if p.varlen:
+            args["cu_seqlens"] = torch.tensor([0, span.stop - span.start], dtype=case.args["cu_seqlens"].dtype,
+                                              device=x.device)
+        assert_bitwise(f"batch invariance: sequence {i} alone, against in the whole call", run_on(**args), whole[span])
+    if not p.varlen:
+        args = dict(x=torch.roll(x, 1, 0))
+        if per_sequence:
+            args["seqlen_offsets"] = torch.roll(off, 1, 0)
+        assert_bitwise("batch invariance: the batch rolled by one, against the whole call's rolled", run_on(**args),
+                       torch.roll(whole, 1, 0))
+
+
 def inverse(conv, fn, caps, plan):
     """The call with -sin undoes the call (R(-theta) R(theta) = I), within two roundings and the tables'."""
     case = make_case(conv, caps, plan)
@@ -320,6 +362,7 @@ Flash.INVARIANTS = {
     "int_offset_equals_tensor": int_offset_equals_tensor,
     "offset_is_table_shift": offset_is_table_shift,
     "varlen_one_sequence_equals_batch": varlen_one_sequence_equals_batch,
+    "batch_rows_alone": batch_rows_alone,
     "inverse": inverse,
 }
 CONVENTION = Flash()
