@@ -236,7 +236,32 @@ def q_k_independent(conv, fn, caps, plan):
     assert not bad.any(), f"q after k's head count changed: {int(bad.sum())} elements beyond the norm's rounding"
 
 
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise, forward: each sequence called alone (its own q and k, its rows of per-sequence
+    tables) and the batch rolled by one give bitwise its results in the whole call. The norm's sum runs over one
+    head, so nothing of another sequence may enter it; the weights' gradients are a sum over the batch by
+    definition, so the backward is not compared here."""
+    b = max(plan.b, 2)
+    case = make_case(conv, caps, plan._replace(b=b, cos_batch=b if plan.cos_batch > 1 else 1))
+    q, k = case.args["q"], case.args["k"]
+    tables = [n for n in ("cos", "sin") if case.args[n].shape[0] == b]
+    with torch.no_grad():
+        whole = _call(fn, case)
+        for i in sorted({0, b - 1, plan.seed % b}):
+            rows = {n: case.args[n][i:i + 1].clone() for n in tables}
+            alone = _call(fn, case, q=q[i:i + 1].clone(), k=k[i:i + 1].clone(), **rows)
+            for name, a, w in zip(("q", "k"), alone, whole, strict=True):
+                assert_bitwise(f"batch invariance: {name} of sequence {i} alone, against in the batch of {b}", a[0],
+                               w[i])
+        rows = {n: torch.roll(case.args[n], 1, 0) for n in tables}
+        rolled = _call(fn, case, q=torch.roll(q, 1, 0), k=torch.roll(k, 1, 0), **rows)
+    for name, r, w in zip(("q", "k"), rolled, whole, strict=True):
+        assert_bitwise(f"batch invariance: {name} with the batch rolled by one, against the whole call's rolled", r,
+                       torch.roll(w, 1, 0))
+
+
 QKNorm.INVARIANTS = {
+    "batch_rows_alone": batch_rows_alone,
     "unit_rms_limit": unit_rms_limit,
     "rotation_preserves_norm": rotation_preserves_norm,
     "equals_rope_of_norm": equals_rope_of_norm,

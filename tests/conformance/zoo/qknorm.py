@@ -55,6 +55,19 @@ def weight_after_rotation(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueez
                  for x, w in ((q, q_weight), (k, k_weight)))
 
 
+def math_depends_on_batch(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interleaved=False,
+                          gemma=False):
+    """One sequence sums its squares in float64, a batch in float32 (a decode path and a prefill path): each result
+    within the norm's rounding, but a sequence's result depends on what else is in the batch."""
+    def rms(xf):
+        if xf.shape[0] != 1:
+            return torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        return torch.rsqrt(xf.double().square().mean(-1, keepdim=True) + eps).float()
+
+    return tuple(_norm_rope(x, w, cos, sin, eps, unsqueeze_dim, interleaved, gemma, rms)
+                 for x, w in ((q, q_weight), (k, k_weight)))
+
+
 def mean_over_all_heads(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interleaved=False,
                         gemma=False):
     """One r per token: the mean of x^2 over all of its heads (a norm over the projection's width, as q_norm in
@@ -101,6 +114,7 @@ def weight_grad_one_head(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze
 
 CORRECT = correct
 BUGS = {
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "norm_over_rotated_only": (norm_over_rotated_only, ("forward", "rotation_preserves_norm")),
     "eps_outside_sqrt": (eps_outside_sqrt, ("forward",)),
     "weight_after_rotation": (weight_after_rotation, ("forward", "equals_rope_of_norm")),
