@@ -14,7 +14,7 @@ import torch
 from hypothesis import strategies as st
 
 from .. import pairing
-from ..compare import assert_undone, assert_within
+from ..compare import assert_bitwise, assert_undone, assert_within
 from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
@@ -169,6 +169,26 @@ def tokens_independent(conv, fn, caps, plan):
         over["positions"] = case.args["positions"][sl]
     part = call(fn, case, **over)
     _close(conv, caps, f"tokens {sl.start} .. {sl.stop - 1} alone", part, tuple(x[sl] for x in full), case)
+
+
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise: each token called alone with its position, and the tokens rolled by one with their
+    positions, give bitwise the token's results in the whole call (positions given: without them a token's row is
+    its index)."""
+    if not caps["positions"]:
+        return
+    case = make_case(conv, caps, plan._replace(positions=True, t=max(plan.t, 2), rows=max(plan.rows, 1)))
+    q, k, pos = case.args["query"], case.args["key"], case.args["positions"]
+    full = call(fn, case)
+    t = q.shape[0]
+    for i in sorted({0, t - 1, plan.seed % t}):
+        alone = call(fn, case, query=q[i:i + 1].clone(), key=k[i:i + 1].clone(), positions=pos[i:i + 1].clone())
+        for name, a, w in zip(("query", "key"), alone, full, strict=True):
+            assert_bitwise(f"batch invariance: {name} of token {i} alone, against among {t}", a[0], w[i])
+    rolled = call(fn, case, query=torch.roll(q, 1, 0), key=torch.roll(k, 1, 0), positions=torch.roll(pos, 1, 0))
+    for name, r, w in zip(("query", "key"), rolled, full, strict=True):
+        assert_bitwise(f"batch invariance: {name} with the tokens rolled by one, against the whole call's rolled", r,
+                       torch.roll(w, 1, 0))
 
 
 def inverse(conv, fn, caps, plan):

@@ -63,6 +63,14 @@ def rotate_half_sign_flipped(query, key, cache, positions=None):
     return embed(query, cos, sin, sign=-1.0), embed(key, cos, sin, sign=-1.0)
 
 
+def math_depends_on_batch(query, key, cache, positions=None):
+    """One token computes in float64, more in float32 (a decode path and a prefill path): each result within one
+    rounding, but a token's result depends on what else is in the call."""
+    cos, sin = tables(query, cache, positions)
+    math = torch.float64 if query.shape[0] == 1 else torch.float32
+    return embed(query, cos, sin, math), embed(key, cos, sin, math)
+
+
 def math_in_x_dtype(query, key, cache, positions=None):
     """The products and the sum in query's dtype (16-bit roundings at every step)."""
     cos, sin = tables(query, cache, positions)
@@ -134,6 +142,7 @@ BUGS = {
     "result_float32": (result_float32, ("forward",)),
     "rotate_half_sign_flipped": (rotate_half_sign_flipped, ("forward",)),
     "math_in_x_dtype": (math_in_x_dtype, ("forward",)),
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "no_positions_last_rows": (no_positions_last_rows, ("forward", "arange_positions")),
     "positions_as_offset": (positions_as_offset, ("forward", "tokens_independent", "positions_gather")),
     "key_ignores_positions": (key_ignores_positions, ("forward", "positions_gather", "swap_q_k")),
