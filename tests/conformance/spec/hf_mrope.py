@@ -333,7 +333,28 @@ def partial_is_sliced(conv, fn, caps, plan):
                        case.args[name][..., r:].to(g.dtype))
 
 
-HFMRoPE.INVARIANTS = {"equal_streams": equal_streams, "inverse": inverse, "q_k_independent": q_k_independent,
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise, forward: each sequence called alone (its own q and k, its rows of per-sequence
+    tables [3, b, s, r]) and the batch rolled by one give bitwise its results in the whole call."""
+    b = max(plan.b, 2)
+    case = make_case(conv, caps, plan._replace(b=b, cos_batch=b if plan.cos_batch > 1 else 1))
+    q, k = case.args["q"], case.args["k"]
+    per_sequence = case.args["cos"].shape[1] == b
+    whole = call_pair(case, fn)
+    for i in sorted({0, b - 1, plan.seed % b}):
+        rows = {n: case.args[n][:, i:i + 1].clone() for n in ("cos", "sin")} if per_sequence else {}
+        alone = call_pair(fresh(case, q=q[i:i + 1].clone(), k=k[i:i + 1].clone(), **rows), fn)
+        for name, a, w in zip(("q", "k"), alone, whole, strict=True):
+            assert_bitwise(f"batch invariance: {name} of sequence {i} alone, against in the batch of {b}", a[0], w[i])
+    rows = {n: torch.roll(case.args[n], 1, 1) for n in ("cos", "sin")} if per_sequence else {}
+    rolled = call_pair(fresh(case, q=torch.roll(q, 1, 0), k=torch.roll(k, 1, 0), **rows), fn)
+    for name, r, w in zip(("q", "k"), rolled, whole, strict=True):
+        assert_bitwise(f"batch invariance: {name} with the batch rolled by one, against the whole call's rolled", r,
+                       torch.roll(w, 1, 0))
+
+
+HFMRoPE.INVARIANTS = {"batch_rows_alone": batch_rows_alone,
+                      "equal_streams": equal_streams, "inverse": inverse, "q_k_independent": q_k_independent,
                       "unsqueeze_dim": unsqueeze_dim_equivalent, "relabel_streams": relabel_streams,
                       "partial_is_sliced": partial_is_sliced}
 

@@ -23,6 +23,13 @@ def correct(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
     return rotate(q, k, select_sections(cos, mrope_section), select_sections(sin, mrope_section), unsqueeze_dim)
 
 
+def math_depends_on_batch(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """One sequence computes in float64, a batch in float32 (a kernel picking its path by the batch size): each result
+    within one rounding, but a sequence's result depends on what else is in the batch."""
+    return rotate(q, k, select_sections(cos, mrope_section), select_sections(sin, mrope_section), unsqueeze_dim,
+                  math_dtype=torch.float64 if q.shape[0] == 1 else torch.float32)
+
+
 def sections_not_doubled(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
     """The sections applied over the first half only; the second half keeps stream 0 (the list not doubled)."""
     h = cos.shape[-1] // 2
@@ -111,6 +118,7 @@ def pass_through_zeroed(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
 
 CORRECT = correct
 BUGS = {
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "sections_not_doubled": (sections_not_doubled, ("forward",)),
     "pair_index_mod_3": (pair_index_mod_3, ("forward", "relabel_streams")),
     "stream_zero_only": (stream_zero_only, ("forward",)),
