@@ -5,7 +5,7 @@ in place of the launch.
 
 A convention checks its arguments (`rope._checks`) and hands `dispatch` its `Convention` (how its `Call` is made,
 what the kernel reads, its PyTorch reference), the rotated tensors, the tensors read beside them and its flags.
-`apply` rotates t, or q and k in one launch, with a backward where autograd needs one; `norm_rotate` does the same for
+`record` rotates t, or q and k in one launch, with a backward, where autograd records; `norm_rotate` does the same for
 QK norm fused with RoPE.
 
 `torch.ops.rope.rotate` (and `rotate_`, in place) is opaque, with a fake implementation (new contiguous tensors), and
@@ -195,23 +195,19 @@ def leaf_written(x, inplace) -> bool:
     return inplace and torch.is_grad_enabled() and x.requires_grad and x.is_leaf
 
 
-def apply(ts, call, angles, *, start_positions=None, token_index=None, pos_table=False, inplace=False):
-    """ts (a tuple: t, or q and k) rotated: `Request`'s fields by name. Differentiable in ts where autograd records,
-    which keeps them as a `Request`; the no-grad call builds none (the hot path: straight to the launcher)."""
-    if torch.is_grad_enabled() and (ts[0].requires_grad or (len(ts) > 1 and ts[1].requires_grad)):
-        request = Request(call, angles, start_positions, token_index, pos_table, inplace)
-        if inplace and len(ts) == 1 and leaf_written(ts[0], inplace):
-            return (write_leaf(ts[0], lambda t, backward: _rotate(request, (t,), backward)[0]),)
-        written = "dirty" if inplace else None
-        if inplace and len(ts) > 1 and (ts[0]._is_view() or ts[1]._is_view()):
-            # Autograd rebases the history of a view written in place only for a Function of one output
-            # (q and k sliced from a fused qkv projection): then one launch each.
-            return (Rotation.apply(request, written, ts[0])[0],
-                    Rotation.apply(request._replace(call=request.call.for_tensor(ts[1])), written, ts[1])[0])
-        return Rotation.apply(request, written, *ts)
-    if len(ts) == 1:
-        return (rotate(call, ts[0], angles, start_positions, token_index, False, inplace, pos_table),)
-    return rotate_qk(call, *ts, angles, start_positions, token_index, False, inplace, pos_table)
+def record(ts, call, angles, *, start_positions=None, token_index=None, pos_table=False, inplace=False):
+    """ts (a tuple: t, or q and k) rotated where autograd records (`dispatch` asks), differentiable in ts:
+    `Request`'s fields by name, kept for the backward as a `Request`."""
+    request = Request(call, angles, start_positions, token_index, pos_table, inplace)
+    if inplace and len(ts) == 1 and leaf_written(ts[0], True):
+        return (write_leaf(ts[0], lambda t, backward: _rotate(request, (t,), backward)[0]),)
+    written = "dirty" if inplace else None
+    if inplace and len(ts) > 1 and (ts[0]._is_view() or ts[1]._is_view()):
+        # Autograd rebases the history of a view written in place only for a Function of one output
+        # (q and k sliced from a fused qkv projection): then one launch each.
+        return (Rotation.apply(request, written, ts[0])[0],
+                Rotation.apply(request._replace(call=request.call.for_tensor(ts[1])), written, ts[1])[0])
+    return Rotation.apply(request, written, *ts)
 
 
 def on_kernel_device(x: torch.Tensor) -> bool:
@@ -352,8 +348,9 @@ def dispatch(conv: Convention, ts: tuple, reads: tuple = (), flags: tuple = (), 
                            pos_table=pos_table, inplace=inplace)
     angles, start, index, pos_table = conv.reads(call, reads, flags)
     if torch.is_grad_enabled() and (x.requires_grad or (len(ts) > 1 and ts[1].requires_grad)):
-        return apply(ts, call, angles, start_positions=start, token_index=index, pos_table=pos_table, inplace=inplace)
-    # the call that records nothing, the hot path: straight to the launcher (`apply` without its record)
+        return record(ts, call, angles, start_positions=start, token_index=index, pos_table=pos_table,
+                      inplace=inplace)
+    # the call that records nothing, the hot path: straight to the launcher
     if len(ts) == 1:
         return (rotate(call, x, angles, start, index, False, inplace, pos_table),)
     return rotate_qk(call, x, ts[1], angles, start, index, False, inplace, pos_table)

@@ -581,9 +581,8 @@ def check_norm(q, q_weight, k_weight, eps, names=("q_weight", "k_weight")) -> No
         raise ValueError(f"eps: expected a finite number > 0, got {eps!r}")
 
 
-def check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, interleaved, gemma):
-    """`rope.qknorm.apply`'s arguments (static: `rope._backend.check_once` runs it once per signature); returns q and
-    k as [b, s, h, d] views."""
+def check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, interleaved, gemma) -> None:
+    """`rope.qknorm.apply`'s arguments (static: `rope._backend.check_once` runs it once per signature)."""
     if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in _SHAPES:
         raise ValueError(f"unsqueeze_dim: expected 1 (q, k as {_SHAPES[1]}) or 2 ({_SHAPES[2]}), got {unsqueeze_dim!r}")
     check_bools(interleaved=interleaved, gemma=gemma)
@@ -599,7 +598,6 @@ def check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, int
     if cos.dim() != 3 or cos.shape[1] != s or cos.shape[0] not in (1, b):
         raise ValueError(f"cos: expected shape [b, s, rot] with b = {b} or 1, s = {s}, got {tuple(cos.shape)}")
     check_rotary_width(cos.shape[-1], d, "cos")
-    return qv, kv
 
 
 def check_freqs_call(q, k, q_weight, k_weight, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,

@@ -2,7 +2,7 @@
 
 A convention's front end checks its signature (`rope._checks`) and hands `rope._backend.dispatch` its tensors and
 flags; the back end finds the checked signature (`rope._backend.Call`) and what the kernel reads, and passes them to
-`apply` or `norm_rotate` by these names; where autograd records, the node keeps them as a `Request` for the backward.
+`record` or `norm_rotate` by these names; where autograd records, the node keeps them as a `Request` for the backward.
 A call that records nothing builds none: the launcher takes the values directly (a record costs more host time than
 the launch path's own work).
 """

@@ -18,7 +18,7 @@ ROPE = pathlib.Path(rope.__file__).parent
 FRONT_ENDS = ["hf.py", "vllm.py", "meta.py", "flash.py", "mrope.py", "torchtitan.py", "qknorm.py", "qknorm_te.py",
               "cache.py", "functional.py", "embedding.py", "serving.py"]
 # what deciding between the kernel and the reference takes: the rule, the trace question, and the launcher
-DECIDING = {"kernel_runs", "on_kernel_device", "is_compiling", "rotate", "rotate_qk", "apply", "norm_rotate",
+DECIDING = {"kernel_runs", "on_kernel_device", "is_compiling", "rotate", "rotate_qk", "record", "norm_rotate",
             "rotate_op"}
 
 

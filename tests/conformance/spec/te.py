@@ -571,13 +571,13 @@ def cp_shards(conv, fn, caps, plan):
               want_grad.index_select(dim, tokens), local_g, plan, caps)
 
 
-def sequences_independent(conv, fn, caps, plan):
-    """Each sequence (a batch entry, or a packed thd sequence) called alone gives its tokens' results, forward and
-    backward; a start position k alone is the angles from row k on (freqs[k:]) without start_positions."""
+def whole_and_sequences(conv, fn, caps, plan):
+    """(case, out, grad, up, [(i, index, cu_seqlens)]) of one forward and backward call of the plan (sbhd, bshd: at
+    least two batch entries) and each of its sequences with tokens (a batch entry, or a packed thd sequence; the
+    first two on the CPU): its index into t and, for thd, its own cu_seqlens [0, length] (else {})."""
     p = plan._replace(b=max(plan.b, 2), grad_layout="contiguous") if plan.tensor_format != "thd" else \
         plan._replace(grad_layout="contiguous")
     case = make_case(conv, caps, p)
-    t, freqs, start = case.args["t"], case.args["freqs"], case.args.get("start_positions")
     out, grad, up = forward_backward(fn, case)
     if p.tensor_format == "thd":
         cu = case.args["cu_seqlens"].tolist()
@@ -586,11 +586,21 @@ def sequences_independent(conv, fn, caps, plan):
     else:
         spans = [(i, slice(i, i + 1)) for i in range(p.b)]
     dim = 1 if p.tensor_format == "sbhd" else 0
-    for i, span in spans[:2] if small() else spans:
-        index = (slice(None),) * dim + (span,)
+    device = case.args["t"].device
+    sequences = [(i, (slice(None),) * dim + (span,),
+                  dict(cu_seqlens=torch.tensor([0, cu[i + 1] - cu[i]], dtype=p.cu_dtype, device=device))
+                  if p.tensor_format == "thd" else {})
+                 for i, span in (spans[:2] if small() else spans)]
+    return case, out, grad, up, sequences
+
+
+def sequences_independent(conv, fn, caps, plan):
+    """Each sequence (a batch entry, or a packed thd sequence) called alone gives its tokens' results, forward and
+    backward; a start position k alone is the angles from row k on (freqs[k:]) without start_positions."""
+    case, out, grad, up, sequences = whole_and_sequences(conv, fn, caps, plan)
+    p, t, freqs, start = case.plan, case.args["t"], case.args["freqs"], case.args.get("start_positions")
+    for i, index, extra in sequences:
         k = 0 if start is None else int(start[i])
-        extra = dict(cu_seqlens=torch.tensor([0, cu[i + 1] - cu[i]], dtype=p.cu_dtype, device=t.device)) \
-            if p.tensor_format == "thd" else {}
         o, g, _ = forward_backward(fn, case, up=up[index], t=t[index], freqs=freqs[k:], start_positions=None, **extra)
         agree(f"forward: sequence {i} alone (start {k} as freqs[{k}:])", o, out[index], t[index], p, caps)
         agree(f"backward: sequence {i} alone (start {k} as freqs[{k}:])", g, grad[index], up[index], p, caps)
@@ -601,29 +611,17 @@ def batch_rows_alone(conv, fn, caps, plan):
     and its own start position given as start_positions (the whole call's mechanism), gives bitwise its results in
     the whole call, forward and backward (what an RL trainer needs of the rollout engine's kernel); sbhd and bshd
     also with the batch rolled by one (each sequence at another index)."""
-    p = plan._replace(b=max(plan.b, 2), grad_layout="contiguous") if plan.tensor_format != "thd" else \
-        plan._replace(grad_layout="contiguous")
-    case = make_case(conv, caps, p)
-    t, start = case.args["t"], case.args.get("start_positions")
-    out, grad, up = forward_backward(fn, case)
-    if p.tensor_format == "thd":
-        cu = case.args["cu_seqlens"].tolist()
-        local = [v // p.cp_size for v in cu]
-        spans = [(i, slice(a, e)) for i, (a, e) in enumerate(zip(local[:-1], local[1:], strict=True)) if e > a]
-    else:
-        spans = [(i, slice(i, i + 1)) for i in range(p.b)]
-    dim = 1 if p.tensor_format == "sbhd" else 0
-    for i, span in spans[:2] if small() else spans:
-        index = (slice(None),) * dim + (span,)
-        extra = dict(cu_seqlens=torch.tensor([0, cu[i + 1] - cu[i]], dtype=p.cu_dtype, device=t.device)) \
-            if p.tensor_format == "thd" else {}
+    case, out, grad, up, sequences = whole_and_sequences(conv, fn, caps, plan)
+    p, t, start = case.plan, case.args["t"], case.args.get("start_positions")
+    for i, index, extra in sequences:
         if start is not None:
-            extra["start_positions"] = start[i:i + 1].clone()
+            extra = {**extra, "start_positions": start[i:i + 1].clone()}
         o, g, _ = forward_backward(fn, case, up=up[index].clone(), t=t[index].clone(), **extra)
         assert_bitwise(f"batch invariance: sequence {i} alone, against in the whole call", o, out[index])
         assert_bitwise(f"batch invariance: the gradient of sequence {i} alone, against in the whole call", g,
                        grad[index])
-    if p.tensor_format != "thd" and p.b > 1:
+    if p.tensor_format != "thd":
+        dim = 1 if p.tensor_format == "sbhd" else 0
         extra = {} if start is None else dict(start_positions=torch.roll(start, 1, 0))
         o, g, _ = forward_backward(fn, case, up=torch.roll(up, 1, dim), t=torch.roll(t, 1, dim), **extra)
         assert_bitwise("batch invariance: the batch rolled by one, against the whole call rolled", o,
