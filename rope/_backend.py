@@ -257,7 +257,7 @@ def norm_rotate(qv, kv, q_weight, k_weight, call, angles, *, norm, eps, start_po
 # Conventions: what each front end registers, and the one decision between kernel, reference and trace.
 
 
-class Convention(NamedTuple):
+class Convention:
     """A convention's side of the back end, registered by name (the custom op finds it from its arguments).
 
     Every function takes what the front end hands `dispatch`: `ts`, the rotated tensors in the kernel's roles (for a
@@ -272,12 +272,12 @@ class Convention(NamedTuple):
       place and without a backward): that kernel, writing ts; `call` and `reads` are then unused, and `reference`
       writes ts in place too."""
 
-    name: str
-    call: Callable
-    reads: Callable
-    reference: Callable
-    norm: bool = False
-    launch: Callable = None
+    __slots__ = ("name", "call", "reads", "reference", "norm", "launch")  # slots: read on every call
+
+    def __init__(self, name: str, call: Callable, reads: Callable, reference: Callable, norm: bool = False,
+                 launch: Callable = None):
+        self.name, self.call, self.reads, self.reference, self.norm, self.launch = (name, call, reads, reference, norm,
+                                                                                    launch)
 
 
 CONVENTIONS: dict = {}
@@ -296,7 +296,7 @@ def signature(name, tensors, flags) -> tuple:
     alignment, is in the key of every launch plan (`rope._launch`), which holds it for the tensors the kernel is
     actually given (a table's cached copy, a contiguous weight). One tuple build: the hot path's cost is this and a
     dict lookup."""
-    key = [name, flags, tuple(map(type, flags))]
+    key = [name, flags, *map(type, flags)]
     for x in tensors:
         if x is None:
             key.append(None)

@@ -503,8 +503,16 @@ def _pointers(angles, start_positions, token_index):
 
 def _index_key(start_positions, token_index) -> tuple:
     """What Triton specializes on in the index pointers: their dtypes and 16-byte alignment."""
+    if start_positions is None and token_index is None:
+        return _NO_INDEX
     return (None if start_positions is None else (start_positions.dtype, start_positions.data_ptr() % 16),
             None if token_index is None else (token_index.dtype, token_index.data_ptr() % 16))
+
+
+_NO_INDEX = (None, None)
+
+
+_NO_POS_STRIDES = (0, 1, 0)
 
 
 def _pos_strides(positions) -> tuple:
@@ -519,9 +527,12 @@ def rotate(call, x, angles, start_positions, token_index, backward, inplace=Fals
     if call.empty:
         return x if inplace else empty(x)
     plan = plan_for(call, x, angles, backward, inplace, pos_table, None,
-                    _pos_strides(token_index) if pos_table else (0, 1, 0), _index_key(start_positions, token_index))
+                    _pos_strides(token_index) if pos_table else _NO_POS_STRIDES,
+                    _index_key(start_positions, token_index))
     out = x if inplace else empty(x, plan.dense[0])
-    run(plan, (x, out, *_pointers(angles, start_positions, token_index)))
+    cos = angles.cos  # `_pointers`, inline on the hot path
+    run(plan, (x, out, cos, angles.sin, cos if start_positions is None else start_positions,
+               cos if token_index is None else token_index))
     return out
 
 
@@ -530,10 +541,13 @@ def rotate_qk(call, q, k, angles, start_positions, token_index, backward, inplac
     if not (q.numel() or k.numel()):
         return (q, k) if inplace else (empty(q), empty(k))
     plan = plan_for(call, q, angles, backward, inplace, pos_table, k,
-                    _pos_strides(token_index) if pos_table else (0, 1, 0), _index_key(start_positions, token_index))
+                    _pos_strides(token_index) if pos_table else _NO_POS_STRIDES,
+                    _index_key(start_positions, token_index))
     qo = q if inplace else empty(q, plan.dense[0])
     ko = k if inplace else empty(k, plan.dense[1])
-    run(plan, (q, qo, k, ko, *_pointers(angles, start_positions, token_index)))
+    cos = angles.cos  # `_pointers`, inline on the hot path
+    run(plan, (q, qo, k, ko, cos, angles.sin, cos if start_positions is None else start_positions,
+               cos if token_index is None else token_index))
     return qo, ko
 
 
@@ -558,7 +572,7 @@ def norm_rotate_qk(call, q, k, weights, norm, eps, angles, start_positions, toke
     new tensors or in place; returns (q_out, k_out)."""
     if not (q.numel() or k.numel()):
         return (q, k) if inplace else (empty(q), empty(k))
-    pos_strides = _pos_strides(token_index) if pos_table else (0, 1, 0)
+    pos_strides = _pos_strides(token_index) if pos_table else _NO_POS_STRIDES
     plan = _norm_plan(call, q, k, angles, False, inplace, pos_table, pos_strides,
                       _index_key(start_positions, token_index), norm, eps, weights, ())
     qo = q if inplace else empty(q, plan.dense[0])
@@ -577,7 +591,7 @@ def norm_rotate_qk_backward(call, grad_q, grad_k, q, k, weights, norm, eps, angl
     if not (q.numel() or k.numel()):
         zero = (torch.zeros(d, dtype=w.dtype, device=w.device) for w in weights)
         return (empty(q), empty(k), *zero)
-    pos_strides = _pos_strides(token_index) if pos_table else (0, 1, 0)
+    pos_strides = _pos_strides(token_index) if pos_table else _NO_POS_STRIDES
     plan = _norm_plan(call, grad_q, grad_k, angles, True, False, pos_table, pos_strides,
                       _index_key(start_positions, token_index), norm, eps, weights, (q, k))
     gq, gk = empty(grad_q, plan.dense[0]), empty(grad_k, plan.dense[1])

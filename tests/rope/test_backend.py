@@ -94,7 +94,7 @@ def test_signature_lists_what_checks_and_calls_read():
     stays None."""
     x = torch.zeros(2, 3)
     assert backend.signature("c", (x, None), (True, 1, "sbhd")) == (
-        "c", (True, 1, "sbhd"), (bool, int, str), x.shape, x.stride(), x.dtype, x.device, None)
+        "c", (True, 1, "sbhd"), bool, int, str, x.shape, x.stride(), x.dtype, x.device, None)
     assert backend.signature("c", (), (True,)) != backend.signature("c", (), (1,))
     # the CPU and the meta device differ (their get_device() is -1 alike): a meta tensor never finds a CPU call's memo
     meta = torch.empty(2, 3, device="meta")
