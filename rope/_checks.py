@@ -76,6 +76,17 @@ def check_bools(**flags) -> None:
             raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
+# The forward's rounding a caller may ask for (docs/contract.md, "Schedules"): None, float32 math rounded once to the
+# output (a product may be fused into the sum); "float32", each product and the sum rounded to float32, as PyTorch's
+# float32 operations; "eager", the convention's PyTorch expression run eagerly in the output dtype.
+SCHEDULES = (None, "float32", "eager")
+
+
+def check_schedule(schedule) -> None:
+    if not (schedule is None or (isinstance(schedule, str) and schedule in SCHEDULES)):
+        raise ValueError(f"schedule: expected None, 'float32' or 'eager', got {schedule!r}")
+
+
 def check_float_tensor(name: str, x) -> None:
     """A tensor the kernel rotates: float32, float16 or bfloat16 (the conventions without a reference option)."""
     if not isinstance(x, torch.Tensor):

@@ -330,12 +330,15 @@ def _groups(layout, tensor_format: str, has_start: bool, h: int):
 def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, has_start: bool,
               cp_size: int, cp_rank: int, angles: Angles, backward: bool, inplace: bool = False,
               pos_table: bool = False, k: torch.Tensor | None = None, pos_strides: tuple = (0, 1, 0),
-              norm: int = 0, eps: float = 0.0, saved: tuple = ()) -> Plan:
+              norm: int = 0, eps: float = 0.0, saved: tuple = (), schedule: str | None = None) -> Plan:
     """The plan for x, or with `k` for x = q and k in one launch (same tokens, head dim and dtype; head
     counts may differ). `angles`: what the kernel reads (`Angles`); `pos_table`: the kernel's
     cu_seqlens_or_positions argument holds one position per token, at the (stream, s, b) strides `pos_strides`.
     `norm` (1, or 2 for Gemma's 1 + w): q and k RMS-normalised per head first (`rope_qknorm_kernel`); backward,
-    `saved` holds the inputs (q, k) while x and k are the output gradients."""
+    `saved` holds the inputs (q, k) while x and k are the output gradients. `schedule` (forward only): None,
+    float32 math rounded once to the output, where the compiler may fuse a product into the sum; "float32", the same
+    without fused multiply-adds (each product and the sum rounded to float32, as PyTorch's operations); "eager", the
+    PyTorch expression run eagerly in the output dtype (`EAGER`: each operand, product and the sum rounded to it)."""
     tensors = (x,) if k is None else (x, k)
     table = angles.table
     # angles differ per batch entry: a group is one (s, b) pair
@@ -382,6 +385,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         HALF_TABLE=angles.half, MROPE=angles.streams[0], SEC0=angles.streams[1], SEC1=angles.streams[2],
         SEC2=angles.streams[3],
     )
+    schedule = None if backward else schedule
     if k is None:
         args.update(n_heads=layout.h, rows_per_group=q_rows, **_magic_args(heads=layout.h))
     else:
@@ -392,7 +396,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     dense = tuple(_dense(t, tensor_format) for t in tensors)
     pdl = PDL and x.is_cuda and not norm
     if not norm:
-        args.update(PDL=pdl)
+        args.update(PDL=pdl, EAGER=schedule == "eager")
     if norm:
         items = n_groups * chunks
         progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items
@@ -403,8 +407,11 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, NORM_POINTERS, args), num_warps,
                     x.device, dense, None if cap is None else dict(maxnreg=cap))
     pointers = ROTATE_POINTERS if k is None else ROTATE_QK_POINTERS
+    options = dict(launch_pdl=True) if pdl else {}
+    if schedule is not None:  # a schedule rounds each product: no fused multiply-add may skip it
+        options.update(enable_fp_fusion=False)
     return Plan(kernel, (n_groups * chunks, 1, 1), kernel_args(kernel, pointers, args), num_warps, x.device, dense,
-                dict(launch_pdl=True) if pdl else None)
+                options)
 
 
 def _hook_present(hook) -> bool:
@@ -460,7 +467,7 @@ def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None, 
     plan = call.plans.get(key)
     if plan is None:
         plan = make_plan(x, call.layout, call.tensor_format, call.interleaved, call.has_start, call.cp_size,
-                         call.cp_rank, angles, backward, inplace, pos_table, k, pos_strides)
+                         call.cp_rank, angles, backward, inplace, pos_table, k, pos_strides, schedule=call.schedule)
         call.plans[key] = plan
     return plan
 

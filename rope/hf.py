@@ -15,26 +15,28 @@ import torch
 
 from . import reference
 from ._backend import Call, check_once, convention, dispatch
-from ._checks import Layout, check_mrope_section, check_rotary_tables, heads_views
+from ._checks import Layout, check_mrope_section, check_rotary_tables, check_schedule, heads_views
 from ._launch import table_angles
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, schedule=None):
     """transformers' `apply_rotary_pos_emb`: q and k rotated over their first r = cos.shape[-1] channels with
     rotate_half pairs (i, i + r/2), `q_rot * cos + rotate_half(q_rot) * sin`, the rest passed through (r = d: the
     whole head, as Llama's). float32 math and one rounding to torch's promotion of q's and cos's dtypes, as
     transformers' expression gives. `position_ids` is unused, as in transformers. New tensors; the gradient flows
-    to q and k."""
-    seen = check_once("hf.apply_rotary_pos_emb", _check_pair, (q, k, cos, sin), (unsqueeze_dim,))
-    return _rotate((q, k), cos, sin, unsqueeze_dim, seen=seen)
+    to q and k. `schedule` (not in transformers): "eager", the forward bitwise transformers' expression run eagerly
+    (each operation rounded to the dtype of its result); "float32", each operation rounded to float32, then the
+    result once (docs/contract.md, "Schedules"); the backward is the default's."""
+    seen = check_once("hf.apply_rotary_pos_emb", _check_pair, (q, k, cos, sin), (unsqueeze_dim, schedule))
+    return _rotate((q, k), cos, sin, unsqueeze_dim, schedule=schedule, seen=seen)
 
 
-def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1):
+def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1, *, schedule=None):
     """The one-tensor form (Gemma 3n and Gemma 4 rotate q alone on the layers that share k): x rotated as
     `apply_rotary_pos_emb` rotates q, bitwise its q result, in one launch. Returns a new tensor; the gradient
-    flows to x."""
-    seen = check_once("hf.apply_rotary_pos_emb_single", _check_single, (x, cos, sin), (unsqueeze_dim,))
-    return _rotate((x,), cos, sin, unsqueeze_dim, seen=seen)[0]
+    flows to x. `schedule` as `apply_rotary_pos_emb`'s."""
+    seen = check_once("hf.apply_rotary_pos_emb_single", _check_single, (x, cos, sin), (unsqueeze_dim, schedule))
+    return _rotate((x,), cos, sin, unsqueeze_dim, schedule=schedule, seen=seen)[0]
 
 
 def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -60,34 +62,36 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
     return _rotate((q, k), cos, sin, unsqueeze_dim, streams=streams)
 
 
-def _check_pair(q, k, cos, sin, unsqueeze_dim) -> None:
+def _check_pair(q, k, cos, sin, unsqueeze_dim, schedule=None) -> None:
     check_rotary_tables(cos, sin, heads_views((("q", q), ("k", k)), unsqueeze_dim), "q", 0)
+    check_schedule(schedule)
 
 
-def _check_single(x, cos, sin, unsqueeze_dim) -> None:
+def _check_single(x, cos, sin, unsqueeze_dim, schedule) -> None:
     check_rotary_tables(cos, sin, heads_views((("x", x),), unsqueeze_dim), "x", 0)
+    check_schedule(schedule)
 
 
-def _rotate(xs, cos, sin, unsqueeze_dim, interleaved=False, streams=None, seen=None) -> tuple:
+def _rotate(xs, cos, sin, unsqueeze_dim, interleaved=False, streams=None, schedule=None, seen=None) -> tuple:
     """xs (q and k, or x; checked) rotated over the first r = cos.shape[-1] channels in one launch, as [b, s, h, d]
     views (the kernel's bshd roles); `streams` as `rope._launch.Angles` holds them for tables per stream (cos [3, b,
     s, r]); `seen`: the front end's checked signature (`check_once`). The kernel writes q's dtype: a wider result of
     transformers' promotion is the reference's."""
     views = tuple(x.transpose(1, 2) for x in xs) if unsqueeze_dim == 1 else xs
     fits = torch.promote_types(xs[0].dtype, cos.dtype) == xs[0].dtype
-    outs = dispatch(HF, views, (cos, sin), (interleaved, streams), fits=fits, seen=seen)
+    outs = dispatch(HF, views, (cos, sin), (interleaved, streams, schedule), fits=fits, seen=seen)
     return tuple(o.transpose(1, 2) for o in outs) if unsqueeze_dim == 1 else tuple(outs)
 
 
 def _call(views, reads, flags) -> Call:
     b, s, h, d = views[0].shape
     return Call(Layout(s=s, b=b, h=h, d=d, rot_dim=reads[0].shape[-1], freqs_len=s), tensor_format="bshd",
-                interleaved=flags[0])
+                interleaved=flags[0], schedule=flags[2])
 
 
 def _reads(call, reads, flags) -> tuple:
     cos, sin = reads
-    interleaved, streams = flags
+    interleaved, streams, _ = flags
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     per_batch = cos.shape[0 if streams is None else 1] > 1
@@ -99,7 +103,7 @@ def _reads(call, reads, flags) -> tuple:
 def _reference(views, reads, flags, backward) -> tuple:
     """transformers' expression on the [b, s, h, d] views, in the promoted dtype of q's and cos's."""
     cos, sin = reads
-    interleaved, streams = flags
+    interleaved, streams, schedule = flags
     out_dtype = torch.promote_types(views[0].dtype, cos.dtype)
     rot = cos.shape[-1]
     if streams is not None:
@@ -108,7 +112,7 @@ def _reference(views, reads, flags, backward) -> tuple:
     if interleaved:  # GLM: column i of the first half for both channels of pair i
         cos, sin = (reference.full_width(tab[..., :rot // 2], True) for tab in (cos, sin))
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return tuple(reference.rotate(x.to(out_dtype), cos, sin, interleaved) for x in views)
+    return tuple(reference.rotate_scheduled(x.to(out_dtype), cos, sin, interleaved, schedule) for x in views)
 
 
 HF = convention("hf", _call, _reads, _reference)

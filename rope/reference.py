@@ -82,6 +82,22 @@ def rotate(t, cos, sin, interleaved):
     return torch.cat([rotated.to(t.dtype), t[..., d2:]], dim=-1)
 
 
+def rotate_eager(t, cos, sin, interleaved):
+    """`rotate` as the PyTorch expression `t * cos + rotate_half(t) * sin` runs eagerly in t's dtype: cos and sin
+    rounded to it, then each product and the sum (the "eager" schedule; the partner's sign flip is exact)."""
+    cos, sin = cos.detach().to(t.dtype), sin.detach().to(t.dtype)
+    d2 = cos.shape[-1]
+    x = t[..., :d2]
+    partner, sign = partner_and_sign(d2, interleaved, t.device)
+    rotated = x * cos + (sign.to(t.dtype) * x[..., partner]) * sin
+    return torch.cat([rotated, t[..., d2:]], dim=-1)
+
+
+def rotate_scheduled(t, cos, sin, interleaved, schedule):
+    """`rotate` (None, "float32": its float32 operations are that schedule's) or `rotate_eager` ("eager")."""
+    return (rotate_eager if schedule == "eager" else rotate)(t, cos, sin, interleaved)
+
+
 def full_width(half_table, interleaved):
     """A table with one column per pair (flash-attention's, vLLM's) as one column per channel."""
     return half_table.repeat_interleave(2, dim=-1) if interleaved else torch.cat([half_table, half_table], dim=-1)

@@ -20,6 +20,7 @@ from ._checks import (
     check_inplace,
     check_mrope_section,
     check_positions_in,
+    check_schedule,
     check_stream_positions,
     check_token_positions,
     heads_view,
@@ -28,21 +29,25 @@ from ._checks import (
 from ._launch import table_angles
 
 
-def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
-    """vLLM's `rotary_embedding` op: rotates query and key (if not None) in place; returns None."""
+def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, *, schedule=None):
+    """vLLM's `rotary_embedding` op: rotates query and key (if not None) in place; returns None. `schedule` (not in
+    vLLM): "eager", bitwise vLLM's `forward_native` (cos and sin cast to query's dtype, each operation rounded to
+    it); "float32", each operation rounded to float32, then the result once (docs/contract.md, "Schedules")."""
     seen = check_once("vllm.rotary_embedding", _check_call, (positions, query, key, cos_sin_cache),
-                      (head_size, is_neox))
+                      (head_size, is_neox, schedule))
     q, k, cos, sin, rows = _in_place(positions, query, key, head_size, cos_sin_cache)
     check_positions_in(positions, rows)  # the caller's tensor, whose identity the value-check memo keys on
-    _rotate(q, k, cos, sin, positions.reshape(-1), is_neox, (0, 0, 0, 0), seen)
+    _rotate(q, k, cos, sin, positions.reshape(-1), is_neox, (0, 0, 0, 0), seen, schedule)
     return None
 
 
-def _check_call(positions, query, key, cos_sin_cache, head_size, is_neox) -> None:
-    """`rotary_embedding`'s static checks (`rope._backend.check_once`: once per signature)."""
+def _check_call(positions, query, key, cos_sin_cache, head_size, is_neox, schedule) -> None:
+    """`rotary_embedding`'s static checks (`rope._backend.check_once`: once per signature); the in-place checks
+    are `_in_place`'s, on every call."""
     _check_positions_rank(positions, "[num_tokens] or [b, s]")
-    q = _checked(positions, query, key, head_size, cos_sin_cache, is_neox)[0]
+    q = _static(positions, query, key, head_size, cos_sin_cache, is_neox)[0]
     check_token_positions(positions.reshape(-1), positions.numel(), q, "query")
+    check_schedule(schedule)
 
 
 def _in_place(positions, query, key, head_size, cos_sin_cache) -> tuple:
@@ -87,8 +92,18 @@ def _check_positions_rank(positions, shapes: str):
 
 
 def _checked(positions, query, key, head_size, cos_sin_cache, is_neox):
-    """(query and key as [num_tokens, heads, head_size] views, the cos and sin halves of the cache, its rows),
-    checked for rotation in place; `positions`: the token dims of query and key."""
+    """`_static`'s views, checked for rotation in place too."""
+    q, k, cos, sin, rows = _static(positions, query, key, head_size, cos_sin_cache, is_neox)
+    check_inplace("query", q)
+    if k is not None:
+        check_inplace("key", k)
+        check_disjoint(q, k, ("query", "key"))
+    return q, k, cos, sin, rows
+
+
+def _static(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """(query and key as [num_tokens, heads, head_size] views, the cos and sin halves of the cache, its rows), their
+    shapes, dtypes and devices checked; `positions`: the token dims of query and key."""
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size < 2:
         raise ValueError(f"head_size: expected an int >= 2, got {head_size!r}")
     if not isinstance(is_neox, bool):
@@ -99,24 +114,20 @@ def _checked(positions, query, key, head_size, cos_sin_cache, is_neox):
     if k is not None and (k.dtype != q.dtype or k.device != q.device):
         raise ValueError(f"key: expected the dtype and device of query ({q.dtype}, {q.device}), got "
                          f"{k.dtype}, {k.device}")
-    check_inplace("query", q)
-    if k is not None:
-        check_inplace("key", k)
-        check_disjoint(q, k, ("query", "key"))
     return q, k, cos, sin, rows
 
 
-def _rotate(q, k, cos, sin, positions, is_neox, streams, seen=None):
+def _rotate(q, k, cos, sin, positions, is_neox, streams, seen=None, schedule=None):
     """Rotate q and k in place by the rows `positions` ([num_tokens], or [3, num_tokens] with `streams`); `seen`: the
     front end's checked signature (`check_once`)."""
-    dispatch(VLLM, (q,) if k is None else (q, k), (cos, sin, positions), (not is_neox, streams), inplace=True,
-             seen=seen)
+    dispatch(VLLM, (q,) if k is None else (q, k), (cos, sin, positions), (not is_neox, streams, schedule),
+             inplace=True, seen=seen)
 
 
 def _call(ts, reads, flags) -> Call:
     q, cos = ts[0], reads[0]
     return Call(Layout(s=q.shape[0], b=1, h=q.shape[1], d=q.shape[2], rot_dim=2 * cos.shape[1],
-                       freqs_len=cos.shape[0]), tensor_format="thd", interleaved=flags[0])
+                       freqs_len=cos.shape[0]), tensor_format="thd", interleaved=flags[0], schedule=flags[2])
 
 
 def _reads(call, reads, flags) -> tuple:
@@ -128,14 +139,16 @@ def _reads(call, reads, flags) -> tuple:
 
 def _reference(ts, reads, flags, backward) -> tuple:
     cos, sin, positions = reads
-    interleaved, streams = flags
+    interleaved, streams, schedule = flags
     full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
     if streams[0]:
         stream = reference.section_of_pair(streams[1:], cos.shape[1], streams[0] == 2, cos.device)
         cos_t, sin_t = (reference.select_streams(reference.rows_at(tab, positions.long()), stream, interleaved)
                         for tab in full)
-        return tuple(reference.rotate(x, cos_t.unsqueeze(-2), sin_t.unsqueeze(-2), interleaved) for x in ts)
-    return tuple(reference.rotate_rows(x, *full, positions.long(), "thd", interleaved) for x in ts)
+    else:
+        cos_t, sin_t = (reference.rows_at(tab, positions.long()) for tab in full)
+    return tuple(reference.rotate_scheduled(x, cos_t.unsqueeze(-2), sin_t.unsqueeze(-2), interleaved, schedule)
+                 for x in ts)
 
 
 VLLM = convention("vllm", _call, _reads, _reference)

@@ -14,7 +14,7 @@ only when fa == fb, which the contract never assumes.
 import triton
 import triton.language as tl
 
-from ._common import _group_angles, _group_of, _load_pairs, _rows, _store_pairs, _store_tail
+from ._common import _group_angles, _group_of, _load_pairs, _rows, _store_pairs, _store_tail, _to_output
 
 # Integer arguments that are counts, not strides: Triton would specialize each on == 1 and on
 # divisibility by 16, multiplying the compiled variants for no faster code; strides keep their
@@ -27,15 +27,34 @@ _COUNTS = ["n_heads", "n_batch", "rows_per_group", "rows_per_program", "n_groups
 
 
 @triton.jit
+def _in_output(v, out_ty: tl.constexpr, RNE_BF16: tl.constexpr):
+    """float32 `v` rounded to the output type and read back as float32: one step of the eager schedule."""
+    return _to_output(v=v, out_ty=out_ty, RNE_BF16=RNE_BF16).to(tl.float32)
+
+
+@triton.jit
 def _rotate_and_store(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, xa, xb, tail, cos_a, cos_b, sin_a,
                       sin_b, out_ty: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
                       INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                      BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr, INPLACE: tl.constexpr):
-    """Rotate a loaded tile and store it, and its tail (in place the tail is neither loaded nor stored)."""
+                      BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr, INPLACE: tl.constexpr, EAGER: tl.constexpr):
+    """Rotate a loaded tile and store it, and its tail (in place the tail is neither loaded nor stored).
+    EAGER: the schedule of the PyTorch expression run eagerly in the output dtype (docs/contract.md): cos and sin
+    rounded to it, then each product, then the sum (the plan compiles without fused multiply-adds)."""
+    if EAGER:
+        cos_a = _in_output(v=cos_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
+        cos_b = _in_output(v=cos_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
+        sin_a = _in_output(v=sin_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
+        sin_b = _in_output(v=sin_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
+        a = (_in_output(v=xa * cos_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
+             - _in_output(v=xb * sin_a, out_ty=out_ty, RNE_BF16=RNE_BF16))
+        b = (_in_output(v=xb * cos_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
+             + _in_output(v=xa * sin_b, out_ty=out_ty, RNE_BF16=RNE_BF16))
+    else:
+        a = xa * cos_a - xb * sin_a
+        b = xb * cos_b + xa * sin_b
     _store_pairs(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
-                 stride_kd=stride_kd, a=xa * cos_a - xb * sin_a, b=xb * cos_b + xa * sin_b, out_ty=out_ty,
-                 RNE_BF16=RNE_BF16, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF,
-                 BARRIER=INPLACE)
+                 stride_kd=stride_kd, a=a, b=b, out_ty=out_ty, RNE_BF16=RNE_BF16, ROT_DIM=ROT_DIM,
+                 INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BARRIER=INPLACE)
     if BLOCK_TAIL > 0 and not INPLACE:
         _store_tail(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
                     stride_kd=stride_kd, tail=tail, out_ty=out_ty, RNE_BF16=False, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
@@ -54,7 +73,7 @@ def rope_qk_kernel(
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
     POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
-    SEC1: tl.constexpr, SEC2: tl.constexpr, QK: tl.constexpr, PDL: tl.constexpr,
+    SEC1: tl.constexpr, SEC2: tl.constexpr, QK: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr,
 ):
     """q and k of one layer in one launch (QK: a group's rows are q's then k's, its angles found once for both), or
     one tensor (`rope_kernel`): a program's chunks of a group's rows, rotated by the group's angles.
@@ -99,7 +118,7 @@ def rope_qk_kernel(
                       stride_kd=stride_kod, xa=xa, xb=xb, tail=tail, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
                       sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
                       BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
-                      INPLACE=INPLACE)
+                      INPLACE=INPLACE, EAGER=EAGER)
     for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
         xq, xk, oq, ok, in_q, rows_ok = _rows(
             q_ptr=q_ptr, q_out_ptr=q_out_ptr, k_ptr=k_ptr, k_out_ptr=k_out_ptr, q_base=q_base, q_out_base=q_out_base,
@@ -116,7 +135,7 @@ def rope_qk_kernel(
                           stride_kd=stride_kod, xa=xa, xb=xb, tail=tail, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
                           sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
                           BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
-                          INPLACE=INPLACE)
+                          INPLACE=INPLACE, EAGER=EAGER)
 
 
 @triton.jit(do_not_specialize=_COUNTS)
@@ -130,7 +149,7 @@ def rope_kernel(
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
     POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
-    SEC1: tl.constexpr, SEC2: tl.constexpr, PDL: tl.constexpr,
+    SEC1: tl.constexpr, SEC2: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr,
 ):
     """One tensor: `rope_qk_kernel`'s body with x as q and as k, and no k rows."""
     rope_qk_kernel(
@@ -146,4 +165,4 @@ def rope_kernel(
         ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=IS_THD, GROUP_PER_BATCH=GROUP_PER_BATCH,
         HAS_START=HAS_START, USE_CP=USE_CP, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
         RNE_BF16=RNE_BF16, PIN=PIN, INPLACE=INPLACE, TABLE=TABLE, SPLIT=SPLIT, FANOUT=FANOUT, POS_TABLE=POS_TABLE,
-        HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2, QK=False, PDL=PDL)
+        HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2, QK=False, PDL=PDL, EAGER=EAGER)

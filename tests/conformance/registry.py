@@ -23,6 +23,8 @@ from . import spec
 # row and for the one line that says a named implementation is not installed here
 DISTRIBUTIONS = {
     "rope": (("rope-triton",), "pip install -e . (this repository)"),
+    "rope-eager": (("rope-triton",), "pip install -e . (this repository)"),
+    "rope-float32": (("rope-triton",), "pip install -e . (this repository)"),
     "hf": (("transformers",), "pip install transformers"),
     "flash": (("flash-attn", "flash_attn"),
               "pip install flash-attn --no-build-isolation (its Triton rotary needs the package to import; "
@@ -58,6 +60,13 @@ NAMED = {
         "torchtitan-complex": (("rope.torchtitan:complex_rope",), {}),
         "torchtitan-cossin": (("rope.torchtitan:cossin_rope",), {}),
     },
+    # rope's schedules (`schedule=`): "eager" rounds as the conventions' PyTorch expressions run eagerly (the `dtype`
+    # accuracy model, as transformers' own), "float32" each float32 operation; run with --rope-schedule of the same
+    # name for the bitwise verdict
+    **{f"rope-{schedule}": {
+        conv: ((path,), {"_keywords": {"schedule": schedule}, **({"accuracy": "dtype"} if schedule == "eager" else {})})
+        for conv, path in (("hf", "rope.hf:apply_rotary_pos_emb"), ("hf-single", "rope.hf:apply_rotary_pos_emb_single"),
+                           ("vllm", "rope.vllm:rotary_embedding"))} for schedule in ("eager", "float32")},
     # transformers evaluates its expression in the activations' dtype; 5.x has no position_ids parameter
     # Llama's and Gemma's functions rotate the whole head (partial rotary is GPT-NeoX's, Phi's, Qwen3-Next's: run those
     # as hf:transformers.models.qwen3_next.modeling_qwen3_next:apply_rotary_pos_emb)

@@ -201,18 +201,21 @@ def test_declared_off_is_not_drawn(prop):
     assert falsify("meta", prop, fn) is not None, "s = 0 was never drawn"
 
 
-# `--rope-schedule` on the zoo: transformers' expression as its models run it passes the `eager` schedule and fails the
-# `float32` one, the float32-accurate implementation the other way round (16-bit draws tell them apart).
-SCHEDULE_VERDICTS = [("eager", "eager", True), ("eager", "correct", False), ("float32", "correct", True),
-                     ("float32", "eager", False)]
+# `--rope-schedule` on the zoo: transformers' expression as its models run it (vLLM's forward_native) passes the
+# `eager` schedule and fails the `float32` one, the float32-accurate implementation the other way round (16-bit draws
+# tell them apart).
+SCHEDULE_VERDICTS = [(name, schedule, impl, schedule == ("eager" if impl == eager else "float32"))
+                     for name, eager in (("hf", "eager"), ("vllm", "native"))
+                     for schedule in ("eager", "float32") for impl in (eager, "correct")]
+SCHEDULE_VERDICTS.append(("vllm", "eager", "native_sin_uncast", False))  # one operand not in the query's dtype
 
 
-@pytest.mark.parametrize("schedule,impl,passes", SCHEDULE_VERDICTS,
-                         ids=[f"{s}-{i}" for s, i, _ in SCHEDULE_VERDICTS])
-def test_schedule_verdict(schedule, impl, passes):
-    conv = spec.load("hf")
-    fn = getattr(zoo("hf"), impl)
-    caps = conv.caps(getattr(zoo("hf"), "CAPS", {}))
+@pytest.mark.parametrize("name,schedule,impl,passes", SCHEDULE_VERDICTS,
+                         ids=[f"{n}-{s}-{i}" for n, s, i, _ in SCHEDULE_VERDICTS])
+def test_schedule_verdict(name, schedule, impl, passes):
+    conv = spec.load(name)
+    fn = getattr(zoo(name), impl)
+    caps = conv.caps(getattr(zoo(name), "CAPS", {}))
     failures = []
 
     @settings(max_examples=ZOO_EXAMPLES if passes else 60, derandomize=True, database=None, deadline=None,

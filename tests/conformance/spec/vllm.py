@@ -337,6 +337,38 @@ VLLM.INVARIANTS = {
 CONVENTION = VLLM()
 
 
+def _forward_native(case, math):
+    """vLLM's `forward_native` on the case's arguments (before the call writes them): the cache's rows gathered at
+    the positions and chunked into cos and sin, both cast to `math` (None: the query's dtype, as vLLM casts them),
+    x1 cos - x2 sin and x2 cos + x1 sin in that dtype, each operation rounded to it, the result in the query's
+    dtype; channels past rot copied. {name: tensor of the argument's shape}."""
+    p, args = case.plan, case.args
+    rows = args["cos_sin_cache"].index_select(0, args["positions"].reshape(-1).long())
+    cos, sin = rows.chunk(2, dim=-1)
+    out = {}
+    with torch.no_grad():
+        for name in ("query", "key"):
+            x = args[name]
+            if x is None:
+                continue
+            heads = x.reshape(p.tokens, head_count(p, name), p.d)
+            dtype = math or x.dtype
+            c, s = cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)
+            x_rot = heads[..., :p.rot].to(dtype)
+            x1, x2 = x_rot.chunk(2, dim=-1) if p.is_neox else (x_rot[..., ::2], x_rot[..., 1::2])
+            o1 = x1 * c - x2 * s
+            o2 = x2 * c + x1 * s
+            rot = torch.cat((o1, o2), dim=-1) if p.is_neox else torch.stack((o1, o2), dim=-1).flatten(-2)
+            out[name] = torch.cat([rot.to(x.dtype), heads[..., p.rot:]], dim=-1).reshape(x.shape)
+    return out
+
+
+# --rope-schedule: `eager`, vLLM's forward_native (its PyTorch path, in the query's dtype); `float32`, the same
+# operations in float32 and one rounding to the query's dtype
+VLLM.SCHEDULES = {"eager": lambda case: _forward_native(case, None),
+                  "float32": lambda case: _forward_native(case, torch.float32)}
+
+
 def _is_neox_domain() -> tuple:
     return domains.flags(lambda p: p.is_neox, (True, False), ("half-split (True)", "interleaved (False)"),
                          allowed=lambda caps: caps["is_neox"])

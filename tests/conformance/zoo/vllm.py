@@ -72,6 +72,28 @@ def correct(positions, query, key, head_size, cos_sin_cache, is_neox):
     rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox)
 
 
+def native(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """vLLM's forward_native: the cache's rows cast to the query's dtype, each operation rounded to it (not a planted
+    bug: the schedule `eager`, within the `dtype` accuracy model, not the float32 one)."""
+    rotate_all(positions, query, key, head_size, cos_sin_cache, is_neox, math_dtype=query.dtype)
+
+
+def native_sin_uncast(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """forward_native with the sin half of a float32 cache left uncast: x1 cos is rounded to the query's dtype,
+    x2 sin to float32 (an eager-schedule kernel that rounds one table operand only). Accurate, not the eager
+    schedule (test_zoo.SCHEDULE_VERDICTS)."""
+    pos = positions.reshape(-1).long()
+    half = cos_sin_cache.shape[1] // 2
+    cos = per_channel(cos_sin_cache[pos, :half].to(query.dtype), not is_neox).unsqueeze(1)
+    sin = per_channel(cos_sin_cache[pos, half:], not is_neox).unsqueeze(1)
+    for x in (query, key):
+        if x is not None:
+            store, idx = addressed(x, positions.dim(), head_size)
+            idx = idx[..., :cos.shape[-1]]
+            vals = store[idx]
+            store[idx] = (vals * cos + rotate_half(vals, not is_neox) * sin).to(store.dtype)
+
+
 def math_depends_on_batch(positions, query, key, head_size, cos_sin_cache, is_neox):
     """A single token computes in float64, more in float32 (a kernel picking its path by the token count, as decode
     and prefill paths do): each result within one rounding, but a token's result depends on what else is in the
