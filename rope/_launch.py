@@ -67,6 +67,7 @@ _SEARCH_FANOUT = 32
 # alike, 32 slower.
 _NORM_PROGRAMS_PER_SM = 8
 _NORM_ROWS = 64
+_NORM_TILE_ROWS = 16  # the rows every QK-norm tile is planned for: at least each kind's cap (`_tile`)
 # QK norm's forward holds a whole head per row in float32 until the row's sum of squares is known. For the 16-bit
 # half-split tile the compiler takes 128 registers per thread; 96 hold it without spilling (ptxas -v), and the
 # warps this adds per SM keep more loads in flight (benchmarks/qknorm_study.py: faster for Gemma's form and partial
@@ -350,9 +351,17 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     # bytes per row of thd programs that search cu_seqlens in several rounds, or read the position table
     row_bytes = x.element_size() * layout.d if tensor_format == "thd" and layout.n_seqs >= _SEARCH_FANOUT else 0
     tensor_bytes = sum(t.numel() for t in tensors) * x.element_size()
-    table_tile = _table_tile(tensor_bytes, x.device, spans_batch, angles.stride_m != 0) if table else None
+    if norm:
+        # A row's sum of squares (backward: its dot products) is reduced in the order of the tile's layout: a tile
+        # fixed by the row's shape alone, not by the call's row count or size, keeps each row's result independent
+        # of what else the call holds (batch invariance, docs/contract.md), at large shapes the tile they take anyway.
+        table_tile = (_TABLE_ROWS, _TABLE_BYTES_PER_THREAD) if table else None
+        tile_rows = _NORM_TILE_ROWS
+    else:
+        table_tile = _table_tile(tensor_bytes, x.device, spans_batch, angles.stride_m != 0) if table else None
+        tile_rows = max(q_rows, k_rows)
     block_r, block_half, block_tail, num_warps = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(),
-                                                       max(q_rows, k_rows), table_tile)
+                                                       tile_rows, table_tile)
     if norm and backward:
         rows_per_program = min(triton.cdiv(rows, block_r), max(1, _NORM_ROWS // block_r)) * block_r
     else:

@@ -41,7 +41,12 @@ def test_default_is_not_the_eager_schedule(name):
     16-bit draw, and the report names the schedule."""
     target = resolve("rope")
     conv = spec.load(name)
-    caps = conv.caps({**target.caps[name], "dtypes": (torch.bfloat16, torch.float16)})
+    # 16-bit q and k (transformers' forms: with tables of their dtype; tables of another dtype widen the result to
+    # float32, where both are the reference's float32 operations)
+    narrow = {"dtypes": (torch.bfloat16, torch.float16), "empty": False}
+    if name != "vllm":
+        narrow.update(float32_tables=False, mixed_tables=False)
+    caps = conv.caps({**target.caps[name], **narrow})
     failures = []
 
     @settings(max_examples=40, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
