@@ -334,23 +334,52 @@ def partial_is_sliced(conv, fn, caps, plan):
 
 
 def batch_rows_alone(conv, fn, caps, plan):
-    """Batch invariance, bitwise, forward: each sequence called alone (its own q and k, its rows of per-sequence
-    tables [3, b, s, r]) and the batch rolled by one give bitwise its results in the whole call."""
+    """Batch invariance, bitwise: a sequence's results are the same computed in the whole batch, alone (its own q and
+    k, its rows of per-sequence tables [3, b, s, r]) and at another batch index (the batch rolled by one, the tables'
+    rows with it), and so are its gradients for q and k from the same random upstream gradients, where the target has
+    a backward and returns new tensors (not q and k written in place). A batch of at least two."""
     b = max(plan.b, 2)
     case = make_case(conv, caps, plan._replace(b=b, cos_batch=b if plan.cos_batch > 1 else 1))
-    q, k = case.args["q"], case.args["k"]
-    per_sequence = case.args["cos"].shape[1] == b
-    whole = call_pair(case, fn)
+    grads = caps.get("backward", True) and not caps.get("in_place")
+    per_sequence = [n for n in ("cos", "sin") if case.args[n].shape[1] == b]
+    gen = torch.Generator().manual_seed(plan.seed + 3)
+    ups = []  # the upstream gradients of q_embed and k_embed, drawn for the whole call's results
+
+    def run(take):
+        """(results, gradients of q and k) of one call on take(x, dim) of every per-sequence argument (q, k along
+        dim 0, per-sequence tables along dim 1) and of the upstream gradients; q and k new leaves."""
+        leaves = {n: take(case.args[n], 0).detach().clone().requires_grad_(grads) for n in ("q", "k")}
+        rows = {n: take(case.args[n], 1) for n in per_sequence}
+        with torch.set_grad_enabled(grads):
+            out = dataclasses.replace(case, args={**case.args, **leaves, **rows}).call(fn)
+        assert isinstance(out, (tuple, list)) and len(out) == 2, \
+            f"expected (q_embed, k_embed), got {type(out).__name__}"
+        if not grads:
+            return tuple(o.detach() for o in out), ()
+        if not ups:
+            ups.extend(torch.randn(tuple(o.shape), generator=gen, dtype=torch.float64).to(o.dtype).to(o.device)
+                       for o in out)
+        live = [(o, take(u, 0)) for o, u in zip(out, ups, strict=True) if o.numel()]
+        if live:
+            torch.autograd.backward([o for o, _ in live], [u for _, u in live])
+        return (tuple(o.detach() for o in out),
+                tuple(leaf.grad if leaf.numel() else torch.zeros_like(leaf) for leaf in leaves.values()))
+
+    whole, whole_grads = run(lambda x, dim: x)
     for i in sorted({0, b - 1, plan.seed % b}):
-        rows = {n: case.args[n][:, i:i + 1].clone() for n in ("cos", "sin")} if per_sequence else {}
-        alone = call_pair(fresh(case, q=q[i:i + 1].clone(), k=k[i:i + 1].clone(), **rows), fn)
+        alone, alone_grads = run(lambda x, dim, i=i: x.narrow(dim, i, 1).clone())
         for name, a, w in zip(("q", "k"), alone, whole, strict=True):
             assert_bitwise(f"batch invariance: {name} of sequence {i} alone, against in the batch of {b}", a[0], w[i])
-    rows = {n: torch.roll(case.args[n], 1, 1) for n in ("cos", "sin")} if per_sequence else {}
-    rolled = call_pair(fresh(case, q=torch.roll(q, 1, 0), k=torch.roll(k, 1, 0), **rows), fn)
+        for name, a, w in zip(("q", "k"), alone_grads, whole_grads, strict=True):
+            assert_bitwise(f"batch invariance: the gradient of {name} of sequence {i} alone, against in the batch of "
+                           f"{b}", a[0], w[i])
+    rolled, rolled_grads = run(lambda x, dim: torch.roll(x, 1, dim))
     for name, r, w in zip(("q", "k"), rolled, whole, strict=True):
         assert_bitwise(f"batch invariance: {name} with the batch rolled by one, against the whole call's rolled", r,
                        torch.roll(w, 1, 0))
+    for name, r, w in zip(("q", "k"), rolled_grads, whole_grads, strict=True):
+        assert_bitwise(f"batch invariance: the gradient of {name} with the batch rolled by one, against the whole "
+                       f"call's rolled", r, torch.roll(w, 1, 0))
 
 
 HFMRoPE.INVARIANTS = {"batch_rows_alone": batch_rows_alone,

@@ -117,6 +117,11 @@ class KVCacheConvention(Convention):
         """q's heads (hq) or k's and v's (hk): a reshape to [T, h, d] names it (with T = 0, -1 could be any)."""
         return p.hq if name == self.ARGS["q"] else p.hk
 
+    def with_tokens(self, p, t: int):
+        """The plan with t >= p.t tokens, the added ones given slots of their own (a short mapping stays as much
+        shorter than the tokens) and the caches grown to hold them."""
+        raise NotImplementedError
+
     def heads(self, case, name, t):
         return t.reshape(case.plan.t, self.head_count(case.plan, name), case.plan.d)
 

@@ -3,6 +3,8 @@ convention names its arguments in ARGS (q, k, v, key cache, value cache, slots) 
 (`heads`); plans carry t, hk, d, rot, is_neox, fp8, scales, n_given, n_padded and n_slots."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .. import pairing
@@ -80,5 +82,49 @@ def tokens_permuted(conv, fn, caps, plan):
         assert_bitwise(f"{conv.ARGS[n]} after permuted tokens", y[n], x[n])
 
 
-INVARIANTS = {"equals_rope_then_write": equals_rope_then_write, "unstored_tokens_rotated": unstored_tokens_rotated,
-              "tokens_permuted": tokens_permuted}
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise: each token called alone (its own q, k, v, position and slot) and the tokens rolled
+    by one give bitwise the token's results in the whole call: its rotated q and k and what its slot holds (the
+    rotated k and the v, as the cache stores them); a token without a slot (-1, or past a short mapping) alone too.
+    A call alone writes one slot, so its caches are compared at the token's own slot only; the rolled call writes
+    every slot the whole call does, so its caches are compared whole. The tokens with a slot roll among themselves
+    and those past a short mapping among themselves, each keeping its slot. q, k and v lie in buffers of their own
+    (in their forms); every call writes fresh caches of the plan's layout, as they were before the whole call."""
+    p = conv.with_tokens(plan, max(plan.t, 2))
+    a = conv.ARGS
+    names = (a["q"], a["k"], a["v"], "positions", a["slots"])
+    given = {n: x.clone(memory_format=torch.contiguous_format) for n, x in make_case(conv, caps, p).args.items()
+             if n in names}
+
+    def call_on(args, t):
+        """_call's state after fn on the token tensors `args` (t tokens) and fresh caches."""
+        case = make_case(conv, caps, p)
+        return _call(conv, fn, replace(case, plan=case.plan._replace(t=t), args={**case.args, **args}))
+
+    whole = call_on({n: x.clone() for n, x in given.items()}, p.t)
+    slots = given[a["slots"]].long().cpu()
+    t, m = p.t, slots.shape[0]
+    unstored = [i for i in range(t) if i >= m or slots[i] < 0]
+    for i in sorted({0, t - 1, plan.seed % t, *unstored[:1]}):
+        alone = call_on({n: x[i:i + 1].clone() for n, x in given.items()}, 1)  # slots: empty past a short mapping
+        for n in ("q", "k"):
+            assert_bitwise(f"batch invariance: {a[n]} of token {i} alone, against among {t}", alone[n][0],
+                           whole[n][i])
+        slot = int(slots[i]) if i < m else -1
+        if 0 <= slot < p.n_slots:
+            for n in ("kc", "vc"):
+                assert_bitwise(f"batch invariance: {a[n]} at slot {slot} written by token {i} alone, against "
+                               f"among {t}", alone[n][slot], whole[n][slot])
+    perm = torch.cat([torch.roll(torch.arange(m), 1), torch.roll(torch.arange(m, t), 1)])
+    rolled_args = {n: x[perm[:x.shape[0]].to(x.device)] for n, x in given.items()}  # slots: the first m of perm
+    rolled = call_on(rolled_args, t)
+    for n in ("q", "k"):
+        assert_bitwise(f"batch invariance: {a[n]} with the tokens rolled by one, against the whole call's rolled",
+                       rolled[n], whole[n][perm])
+    for n in ("kc", "vc"):
+        assert_bitwise(f"batch invariance: {a[n]} after the tokens rolled by one, against after the whole call",
+                       rolled[n], whole[n])
+
+
+INVARIANTS = {"batch_rows_alone": batch_rows_alone, "equals_rope_then_write": equals_rope_then_write,
+              "unstored_tokens_rotated": unstored_tokens_rotated, "tokens_permuted": tokens_permuted}

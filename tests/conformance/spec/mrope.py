@@ -11,6 +11,7 @@ and dtype; the gradient flows to t.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -210,7 +211,56 @@ def inverse(conv, fn, caps, plan):
     assert_within("inverse", back, x64["t"], x64["t"], p.d2, p.interleaved, 3, "dtype")
 
 
-MRoPE.INVARIANTS = {"equal_streams": equal_streams, "formats": formats_equivalent,
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise: each row (a sequence of sbhd or bshd with its positions [3, s] or [s], a token of thd
+    with its positions [3, 1] or [1]) called alone, and the rows rolled by one with their positions, give bitwise the
+    row's results in the whole call and, where the target has a backward, its gradient of t from the same random
+    upstream gradient. At least two rows."""
+    dim = 1 if plan.tensor_format == "sbhd" else 0  # t's batch dim (thd: its tokens)
+    lead = list(plan.lead)
+    lead[dim] = max(lead[dim], 2)
+    case = make_case(conv, caps, plan._replace(lead=tuple(lead)))
+    p = case.plan
+    t, positions = case.args["t"], case.args["positions"]
+    positions_dim = dim + (0 if p.text else 1)
+    row = "token" if p.tensor_format == "thd" else "sequence"
+    grads = caps.get("backward", True)
+    gen = torch.Generator().manual_seed(plan.seed + 3)
+    up = []  # the upstream gradient, drawn for the whole call's result
+
+    def run(take):
+        """(result, gradient of t) of one call on take(x, dim) of t and the upstream gradient (along t's batch dim)
+        and of positions (along its own); t a new leaf."""
+        leaf = take(t, dim).detach().clone().requires_grad_(grads)
+        args = {**case.args, "t": leaf, "positions": take(positions, positions_dim)}
+        with torch.set_grad_enabled(grads):
+            out = dataclasses.replace(case, plan=p._replace(lead=tuple(leaf.shape[:-2])), args=args).call(fn)
+        if not grads:
+            return out.detach(), None
+        if not up:
+            up.append(torch.randn(tuple(out.shape), generator=gen, dtype=torch.float64).to(out.dtype).to(out.device))
+        grad = torch.autograd.grad(out, leaf, take(up[0], dim))[0] if out.numel() else torch.zeros_like(leaf)
+        return out.detach(), grad
+
+    whole, whole_grad = run(lambda x, d: x)
+    rows = whole.shape[dim]
+    for i in sorted({0, rows - 1, plan.seed % rows}):
+        alone, alone_grad = run(lambda x, d, i=i: x.narrow(d, i, 1).clone())
+        assert_bitwise(f"batch invariance: {p.tensor_format} {row} {i} alone, against among {rows}", alone,
+                       whole.narrow(dim, i, 1))
+        if grads:
+            assert_bitwise(f"batch invariance: the gradient of {p.tensor_format} {row} {i} alone, against among "
+                           f"{rows}", alone_grad, whole_grad.narrow(dim, i, 1))
+    rolled, rolled_grad = run(lambda x, d: torch.roll(x, 1, d))
+    assert_bitwise(f"batch invariance: the {p.tensor_format} {row}s rolled by one, against the whole call's rolled",
+                   rolled, torch.roll(whole, 1, dim))
+    if grads:
+        assert_bitwise(f"batch invariance: the gradient of the {p.tensor_format} {row}s rolled by one, against the "
+                       f"whole call's rolled", rolled_grad, torch.roll(whole_grad, 1, dim))
+
+
+MRoPE.INVARIANTS = {"batch_rows_alone": batch_rows_alone,
+                    "equal_streams": equal_streams, "formats": formats_equivalent,
                     "interleaved": interleaved_equivalent, "inverse": inverse}
 CONVENTION = MRoPE()
 

@@ -24,7 +24,7 @@ from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, domains, head_and_rotary, qknorm_math, small
 from .hf_mrope import sections, stream_of_pair
 from .qknorm import EPS_VALUES, MAGNITUDES, QKNorm, rotation_preserves_norm
-from .te_qknorm import refuses
+from .te_qknorm import forward_backward, refuses
 
 
 class Plan(NamedTuple):
@@ -167,6 +167,31 @@ def _call(fn, case, **overrides):
         return Case(case.plan, args, case.positional).call(fn)
 
 
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise: each token called alone (its q and k rows, its positions: the column of [3, T]) and
+    the tokens rolled by one (positions with them) give bitwise its results in the whole call: q' and k', and q's and
+    k's gradients from the same random upstream gradients. The norm's sum runs over one head of one token, so nothing
+    of another token may enter it; the weights' gradients are a sum over every token of the call by definition and
+    are not compared."""
+    p = plan._replace(t=max(plan.t, 2))
+    case = make_case(conv, caps, p)
+    outs, grads, ups = forward_backward(fn, case)
+    pos = case.args["positions"]
+    for i in sorted({0, p.t - 1, plan.seed % p.t}):
+        rows = {n: case.args[n][i:i + 1].clone() for n in ("q", "k")}
+        o, g, _ = forward_backward(fn, case, tuple(u[i:i + 1].clone() for u in ups),
+                                   positions=pos[..., i:i + 1].clone(), **rows)
+        for what, got, want in (("", o, outs), ("the gradient of ", g, grads)):
+            for name, a, w in zip(("q", "k"), got, want, strict=True):
+                assert_bitwise(f"batch invariance: {what}{name} of token {i} alone, against among {p.t}", a[0], w[i])
+    o, g, _ = forward_backward(fn, case, tuple(torch.roll(u, 1, 0) for u in ups), positions=torch.roll(pos, 1, -1),
+                               **{n: torch.roll(case.args[n], 1, 0) for n in ("q", "k")})
+    for what, got, want in (("", o, outs), ("the gradient of ", g, grads)):
+        for name, r, w in zip(("q", "k"), got, want, strict=True):
+            assert_bitwise(f"batch invariance: {what}{name} with the tokens rolled by one, against the whole call's "
+                           f"rolled", r, torch.roll(w, 1, 0))
+
+
 def tokens_independent(conv, fn, caps, plan):
     """Tokens reversed together with their positions give the reversed result, bitwise: each token's heads depend on
     its own row and positions only."""
@@ -226,6 +251,7 @@ def refuses_bad_input(conv, fn, caps, plan):
 
 
 QKNormCache.INVARIANTS = {
+    "batch_rows_alone": batch_rows_alone,
     "rotation_preserves_norm": rotation_preserves_norm,
     "tokens_independent": tokens_independent,
     "mrope_stream_locality": mrope_stream_locality,

@@ -8,15 +8,15 @@ in torch's promotion of q's and cos's dtypes; the gradient flows to q and k.
 """
 from __future__ import annotations
 
-from .hf_mrope import HFMRoPE, equal_streams, inverse, q_k_independent, unsqueeze_dim_equivalent
+from .hf_mrope import HFMRoPE, batch_rows_alone, equal_streams, inverse, q_k_independent, unsqueeze_dim_equivalent
 
 
 class Qwen3VLMRoPE(HFMRoPE):
     NAME = "qwen3vl-mrope"
     INTERLEAVED_LAYOUT = True
     # No stream relabelling here: the interleaved layout gives each stream its own residue of pairs.
-    INVARIANTS = {"equal_streams": equal_streams, "inverse": inverse, "q_k_independent": q_k_independent,
-                  "unsqueeze_dim": unsqueeze_dim_equivalent}
+    INVARIANTS = {"batch_rows_alone": batch_rows_alone, "equal_streams": equal_streams, "inverse": inverse,
+                  "q_k_independent": q_k_independent, "unsqueeze_dim": unsqueeze_dim_equivalent}
 
 
 CONVENTION = Qwen3VLMRoPE()

@@ -99,6 +99,9 @@ class SGLangCache(kvc.KVCacheConvention):
 
         return domains.with_explicit(domains.with_empty(draw(), caps, domains.zeroed, ("t",)), caps)
 
+    def with_tokens(self, p: Plan, t: int) -> Plan:
+        return p._replace(t=t, pool=p.pool + t - p.t)
+
     def build(self, p: Plan, arena) -> Case:
         positions = arena.place(arena.integers(0, p.rows, (p.t,), p.index_dtypes[0]))
         theta = arena.angles((p.rows, p.rot // 2))

@@ -18,12 +18,14 @@ import torch
 from hypothesis import strategies as st
 
 from .. import accuracy, pairing
+from ..compare import assert_bitwise
 from ..contract import Returned, Snapshot
 from ..positions import token_positions
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, domains, head_and_rotary, qknorm_math, small
 from .qknorm import EPS_VALUES, MAGNITUDES, QKNorm, rotation_preserves_norm
+from .te import graph_view
 
 FORMATS = ("sbhd", "bshd", "thd")
 
@@ -282,6 +284,82 @@ def preserves_norm(conv, fn, caps, plan):
     rotation_preserves_norm(conv, fn, caps, plan._replace(equal_halves=True))
 
 
+def forward_backward(fn, case, ups=None, **overrides):
+    """((q', k'), (q's gradient, k's), ups) of one call as training makes it: q and k views in the graph in their
+    layouts (te.graph_view), the weights leaves that require grad; ups: random upstream gradients (seeded by the
+    plan) unless given. The weights' gradients are computed with the others and not returned."""
+    views, leaves = zip(*(graph_view(overrides.pop(n, case.args[n])) for n in ("q", "k")), strict=True)
+    weights = {n: case.args[n].detach().clone().requires_grad_() for n in ("q_weight", "k_weight")}
+    outs = call(fn, case, **dict(zip(("q", "k"), views, strict=True)), **weights, **overrides)
+    if ups is None:
+        gen = torch.Generator().manual_seed(case.plan.seed + 2)
+        ups = tuple(torch.randn(tuple(o.shape), generator=gen, dtype=torch.float64).to(o.dtype).to(o.device)
+                    for o in outs)
+    if any(o.numel() for o in outs):
+        torch.autograd.backward(outs, ups)
+    grads = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves)
+    return tuple(o.detach() for o in outs), grads, ups
+
+
+def _batched(plan) -> Plan:
+    """The plan with at least two sequences that hold tokens: b >= 2 and s >= 1 (sbhd, bshd), or thd with sequences
+    of one unit (2 cp_size tokens under context parallelism) added."""
+    if plan.tensor_format != "thd":
+        return plan._replace(b=max(plan.b, 2), s=plan.s or (2 if plan.cp_size > 1 else 1))
+    lengths = plan.lengths
+    while sum(n > 0 for n in lengths) < 2:
+        lengths = (*lengths, 2 * plan.cp_size if plan.cp_size > 1 else 1)
+    return plan._replace(lengths=lengths)
+
+
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise: each sequence (a batch entry, or a packed thd sequence with cu_seqlens of its own)
+    called alone, its own start position given as start_positions, and the sequences rolled by one (each at another
+    batch index or packed offset, start_positions rolled with them) give bitwise its results in the whole call: q'
+    and k', and q's and k's gradients from the same random upstream gradients. The norm's sum runs over one head of
+    one token, so nothing of another sequence may enter it; the weights' gradients are a sum over every token of
+    the call by definition and are not compared."""
+    p = _batched(plan)
+    case = make_case(conv, caps, p)
+    outs, grads, ups = forward_backward(fn, case)
+    start = case.args.get("start_positions")
+    thd = p.tensor_format == "thd"
+    dim = 1 if p.tensor_format == "sbhd" else 0
+    device = case.args["q"].device
+    if thd:
+        cu = case.args["cu_seqlens"].tolist()
+        local = [v // p.cp_size for v in cu]
+        spans = [slice(a, e) for a, e in zip(local[:-1], local[1:], strict=True)]
+    else:
+        spans = [slice(i, i + 1) for i in range(p.b)]
+    held = [i for i, span in enumerate(spans) if span.stop > span.start]
+    for i in sorted({held[0], held[-1], held[p.seed % len(held)]}):
+        index = (slice(None),) * dim + (spans[i],)
+        extra = {} if start is None else dict(start_positions=start[i:i + 1].clone())
+        if thd:
+            extra["cu_seqlens"] = torch.tensor([0, cu[i + 1] - cu[i]], dtype=case.args["cu_seqlens"].dtype,
+                                               device=device)
+        o, g, _ = forward_backward(fn, case, tuple(u[index].clone() for u in ups),
+                                   **{n: case.args[n][index].clone() for n in ("q", "k")}, **extra)
+        for name, alone, whole in zip(("q", "k"), o, outs, strict=True):
+            assert_bitwise(f"batch invariance: {name} of sequence {i} alone, against in the whole call", alone,
+                           whole[index])
+        for name, alone, whole in zip(("q", "k"), g, grads, strict=True):
+            assert_bitwise(f"batch invariance: the gradient of {name} of sequence {i} alone, against in the whole "
+                           f"call", alone, whole[index])
+    order = torch.roll(torch.arange(len(spans)), 1)
+    perm = torch.cat([torch.arange(spans[j].start, spans[j].stop) for j in order.tolist()]).to(device)
+    extra = {} if start is None else dict(start_positions=start.index_select(0, order.to(start.device)))
+    if thd:
+        extra["cu_seqlens"] = cu_of([p.lengths[j] for j in order.tolist()]).to(device)
+    o, g, _ = forward_backward(fn, case, tuple(u.index_select(dim, perm) for u in ups),
+                               **{n: case.args[n].index_select(dim, perm) for n in ("q", "k")}, **extra)
+    for what, got, want in (("", o, outs), ("the gradient of ", g, grads)):
+        for name, r, w in zip(("q", "k"), got, want, strict=True):
+            assert_bitwise(f"batch invariance: {what}{name} with the sequences rolled by one, against the whole "
+                           f"call's rolled", r, w.index_select(dim, perm))
+
+
 def refuses(fn, case, bad: dict, caps):
     """Each (argument, exception type, overrides) of `bad` raises that exception, its message starting with the
     argument's name (caps "messages"), and leaves every buffer of the case as it was."""
@@ -317,6 +395,7 @@ def refuses_bad_input(conv, fn, caps, plan):
 
 
 TEQKNorm.INVARIANTS = {
+    "batch_rows_alone": batch_rows_alone,
     "rotation_preserves_norm": preserves_norm,
     "thd_equals_per_sequence": thd_equals_per_sequence,
     "start_positions_shift": start_positions_shift,

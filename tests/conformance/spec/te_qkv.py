@@ -279,7 +279,55 @@ def cp_shards(conv, fn, caps, plan):
                        w.index_select(dim, tokens))
 
 
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise: each sequence called alone (its batch entry of qkv, its start position given as
+    start_positions where the plan passes them) and the batch rolled by one (start_positions rolled alike) give
+    bitwise its results in the whole call, forward (q, k and v) and backward (its rows of qkv's gradient, from random
+    upstream gradients sliced and rolled alike): what an RL trainer needs of the rollout engine's kernel. qkv lies in
+    a contiguous buffer of its own in every call, so that only the batch around a sequence differs."""
+    p = plan._replace(b=max(plan.b, 2), s=max(plan.s, 2 if plan.cp_size > 1 else 1))
+    grads = caps["backward"] and (p.start_dtype is None or caps["backward_start_positions"])
+    case = make_case(conv, caps, p)
+    qkv = case.args["qkv"].detach().clone(memory_format=torch.contiguous_format)
+    start = case.args.get("start_positions")
+    dim = seq_dim(p.tensor_format) ^ 1  # the batch dim, of qkv and of q, k and v alike
+    gen = torch.Generator().manual_seed(p.seed + 5)
+    ups = [torch.randn(tuple(x.shape), generator=gen, dtype=torch.float64).to(p.dtype).to(qkv.device)
+           for x in split(p, qkv)]
+
+    def run_on(x, up, **overrides):
+        """([q, k, v], qkv's gradient for upstream `up`, or None without a backward) of one call on qkv = x."""
+        leaf = x.clone().requires_grad_(grads)
+        with torch.set_grad_enabled(grads):
+            out = call(fn, case, qkv=leaf, **overrides)
+        if not grads:
+            return [o.detach() for o in out], None
+        pairs = [(o, u) for o, u in zip(out, up, strict=True) if o.requires_grad]
+        grad = torch.autograd.grad([o for o, _ in pairs], leaf, [u for _, u in pairs], allow_unused=True)[0]
+        return [o.detach() for o in out], torch.zeros_like(leaf) if grad is None else grad
+
+    out, grad = run_on(qkv, ups)
+    for i in sorted({0, p.b - 1, plan.seed % p.b}):
+        extra = {} if start is None else dict(start_positions=start[i:i + 1].clone())
+        o, g = run_on(qkv.narrow(dim, i, 1), [u.narrow(dim, i, 1).clone() for u in ups], **extra)
+        for name, a, w in zip("qkv", o, out, strict=True):
+            assert_bitwise(f"batch invariance: {name} of sequence {i} alone, against in the batch of {p.b}", a,
+                           w.narrow(dim, i, 1))
+        if grads:
+            assert_bitwise(f"batch invariance: qkv's gradient of sequence {i} alone, against in the batch of {p.b}",
+                           g, grad.narrow(dim, i, 1))
+    extra = {} if start is None else dict(start_positions=torch.roll(start, 1, 0))
+    o, g = run_on(torch.roll(qkv, 1, dim), [torch.roll(u, 1, dim) for u in ups], **extra)
+    for name, r, w in zip("qkv", o, out, strict=True):
+        assert_bitwise(f"batch invariance: {name} with the batch rolled by one, against the whole call's rolled", r,
+                       torch.roll(w, 1, dim))
+    if grads:
+        assert_bitwise("batch invariance: qkv's gradient with the batch rolled by one, against the whole call's "
+                       "rolled", g, torch.roll(grad, 1, dim))
+
+
 TEQKV.INVARIANTS = {
+    "batch_rows_alone": batch_rows_alone,
     "v_copied": v_copied,
     "q_k_agree": q_k_agree,
     "formats_transposed": formats_transposed,

@@ -117,6 +117,10 @@ class VLLMCache(kvc.KVCacheConvention):
 
         return domains.with_explicit(domains.with_empty(draw(), caps, no_tokens, ("t",)), caps)
 
+    def with_tokens(self, p: Plan, t: int) -> Plan:
+        n_given = p.n_given + t - p.t
+        return p._replace(t=t, n_given=n_given, n_blocks=max(p.n_blocks, -(-n_given // p.block_size)))
+
     def build(self, p: Plan, arena) -> Case:
         positions = arena.place(arena.integers(0, p.rows, (p.t,), p.index_dtypes[0]))
         theta = arena.angles((p.rows, p.rot // 2))

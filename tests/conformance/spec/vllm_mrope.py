@@ -12,6 +12,7 @@ new tensors and leaves them alone: capability `in_place` says which a target doe
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -264,8 +265,39 @@ def inverse(conv, fn, caps, plan):
         assert_within(f"inverse: {n}", again[n], composed[n].value, ref[n].source, p.rot, not p.is_neox, 3, "dtype")
 
 
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise, forward (the convention has no backward): each token called alone (its own query and
+    key rows, its positions [3, 1] or [1]) and the tokens rolled by one with their positions give bitwise the token's
+    results in the whole call (vLLM packs the sequences of a step into one call: what one returns must not depend on
+    the others). At least two tokens."""
+    case = make_case(conv, caps, plan._replace(tokens=max(plan.tokens, 2)))
+    tokens = case.plan.tokens
+    per_token = [n for n in ("query", "key") if case.args[n] is not None]
+
+    def run(take):
+        """{name: result as [T, h, head_size]} of one call on take(x, dim) of query and key (dim 0) and positions
+        (its last dim)."""
+        rows = {n: take(case.args[n], 0) for n in per_token}
+        positions = take(case.args["positions"], -1)
+        one = dataclasses.replace(case, plan=case.plan._replace(tokens=positions.shape[-1]),
+                                  args={**case.args, **rows, "positions": positions})
+        return results(one, fn)
+
+    whole = run(lambda x, dim: x)
+    for i in sorted({0, tokens - 1, plan.seed % tokens}):
+        alone = run(lambda x, dim, i=i: x.narrow(dim, i, 1).clone())
+        for n in per_token:
+            assert_bitwise(f"batch invariance: {n} of token {i} alone, against among {tokens}", alone[n][0],
+                           whole[n][i])
+    rolled = run(lambda x, dim: torch.roll(x, 1, dim))
+    for n in per_token:
+        assert_bitwise(f"batch invariance: {n} with the tokens rolled by one, against the whole call's rolled",
+                       rolled[n], torch.roll(whole[n], 1, 0))
+
+
 CONVENTION = VLLMMRoPE()
-VLLMMRoPE.INVARIANTS = {"text_positions": text_positions, "equal_streams": equal_streams, "key_none": key_none,
+VLLMMRoPE.INVARIANTS = {"batch_rows_alone": batch_rows_alone,
+                        "text_positions": text_positions, "equal_streams": equal_streams, "key_none": key_none,
                         "is_neox": is_neox_equivalent, "inverse": inverse}
 
 

@@ -157,7 +157,29 @@ def tokens_independent(conv, fn, caps, plan):
     assert_bitwise("tokens reversed with their positions", _run(fn, flipped).flip(0), want)
 
 
-VLLMQKNorm.INVARIANTS = {"v_untouched": v_untouched, "tokens_independent": tokens_independent}
+def batch_rows_alone(conv, fn, caps, plan):
+    """Batch invariance, bitwise: each token called alone (its qkv row, its position) and the tokens rolled by one
+    (position_ids with them) write bitwise its row of the whole call: the q and k heads normalised and rotated, the v
+    heads as given. The norm's sum runs over one head of one token, so nothing of another token may enter it."""
+    p = plan._replace(t=max(plan.t, 2))
+    case = make_case(conv, caps, p)
+    given = {n: case.args[n].clone() for n in ("qkv", "position_ids")}
+    whole = _run(fn, case).clone()
+
+    def run_on(args):
+        """qkv after fn on new tensors `args` (qkv, position_ids) with the case's other arguments."""
+        return _run(fn, Case(p, {**case.args, **args}, case.positional))
+
+    for i in sorted({0, p.t - 1, plan.seed % p.t}):
+        alone = run_on({n: x[i:i + 1].clone() for n, x in given.items()})
+        assert_bitwise(f"batch invariance: qkv of token {i} alone, against among {p.t}", alone[0], whole[i])
+    rolled = run_on({n: torch.roll(x, 1, 0) for n, x in given.items()})
+    assert_bitwise("batch invariance: qkv with the tokens rolled by one, against the whole call's rolled", rolled,
+                   torch.roll(whole, 1, 0))
+
+
+VLLMQKNorm.INVARIANTS = {"batch_rows_alone": batch_rows_alone, "v_untouched": v_untouched,
+                         "tokens_independent": tokens_independent}
 CONVENTION = VLLMQKNorm()
 
 

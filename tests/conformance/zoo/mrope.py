@@ -47,6 +47,16 @@ def correct(t, freqs, positions, mrope_section, tensor_format="thd", interleaved
     return rotate(t, theta, interleaved)
 
 
+def math_depends_on_batch(t, freqs, positions, mrope_section, tensor_format="thd", interleaved=False,
+                          mrope_interleaved=False):
+    """A call of a single token computes in float64, more tokens in float32 (a kernel picking its path by the token
+    count, as decode and prefill paths do; by the count, not the batch, so that every format of one set of tokens
+    takes one path): each result within one rounding, forward and backward, but a token's result depends on what
+    else is in the call."""
+    theta = angles_at(freqs, positions, t.shape[:-2], mrope_section, interleaved, mrope_interleaved)
+    return rotate(t, theta, interleaved, torch.float64 if t.shape[:-2].numel() == 1 else torch.float32)
+
+
 def first_row_positions(t, freqs, positions, mrope_section, tensor_format="thd", interleaved=False,
                         mrope_interleaved=False):
     """A [3, *lead] positions tensor read as its first row (text RoPE on every token)."""
@@ -122,6 +132,7 @@ def backward_not_transposed(t, freqs, positions, mrope_section, tensor_format="t
 
 CORRECT = correct
 BUGS = {
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "first_row_positions": (first_row_positions, ("forward",)),
     "pair_ignores_interleaved": (pair_ignores_interleaved, ("forward",)),
     "sections_first_half_only": (sections_first_half_only, ("forward",)),

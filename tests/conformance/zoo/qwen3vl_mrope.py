@@ -25,6 +25,13 @@ def correct(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
                   unsqueeze_dim)
 
 
+def math_depends_on_batch(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """One sequence computes in float64, a batch in float32 (a kernel picking its path by the batch size): each result
+    within one rounding, forward and backward, but a sequence's result depends on what else is in the batch."""
+    return rotate(q, k, interleaved_streams(cos, mrope_section), interleaved_streams(sin, mrope_section),
+                  unsqueeze_dim, math_dtype=torch.float64 if q.shape[0] == 1 else torch.float32)
+
+
 def consecutive_sections(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
     """Qwen2-VL's consecutive sections on Qwen3-VL's tables (the layout flag forgotten)."""
     return rotate(q, k, select_sections(cos, mrope_section), select_sections(sin, mrope_section), unsqueeze_dim)
@@ -73,6 +80,7 @@ def backward_not_transposed(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
 
 CORRECT = correct
 BUGS = {
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "consecutive_sections": (consecutive_sections, ("forward",)),
     "streams_start_one_early": (streams_start_one_early, ("forward",)),
     "one_pair_too_many": (one_pair_too_many, ("forward",)),

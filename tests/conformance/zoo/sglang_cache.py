@@ -22,17 +22,18 @@ def write(pool, rows, loc, row_stride=None):
 
 
 def run(q, k, v, k_cache, v_cache, cos_sin_cache, positions, out_loc, *, is_neox, rope_dim=0, rotate_k=True,
-        rotate_v=False, loc=None, row_stride=None, swap=False, tokens=None, store_before=False):
+        rotate_v=False, loc=None, row_stride=None, swap=False, tokens=None, store_before=False,
+        math_dtype=torch.float32):
     d = q.shape[-1]
     kstore, kidx = addressed(k, 1, d)
     k_before = kstore[kidx].clone()
     n = q.shape[0] if tokens is None else tokens
-    rotate_all(positions[:n], q[:n], k[:n] if rotate_k else None, d, cos_sin_cache, is_neox)
+    rotate_all(positions[:n], q[:n], k[:n] if rotate_k else None, d, cos_sin_cache, is_neox, math_dtype=math_dtype)
     if rotate_k:
         k_rows = kstore[kidx].clone()
     else:  # the rotated k computed for the pool only
         k_rows = k_before.clone()
-        rotate_all(positions, k_rows, None, d, cos_sin_cache, is_neox)
+        rotate_all(positions, k_rows, None, d, cos_sin_cache, is_neox, math_dtype=math_dtype)
     if store_before:
         k_rows = k_before
     vstore, vidx = addressed(v.reshape(k.shape) if v.dim() == 2 else v, 1, d)
@@ -84,9 +85,17 @@ def unrotated_k_stored(*args, **kw):
     run(*args, store_before=True, **kw)
 
 
+def math_depends_on_batch(*args, **kw):
+    """A single token computes in float64, more in float32 (a kernel picking its path by the token count, as decode
+    and prefill paths do): each result within one rounding, but a token's rotated q and k, and the k its pool row
+    holds, depend on what else is in the call."""
+    run(*args, math_dtype=torch.float64 if args[0].shape[0] == 1 else torch.float32, **kw)
+
+
 CORRECT = correct
 BUGS = {
     "k_not_written_back": (k_not_written_back, ("forward", "equals_rope_then_write")),
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "v_rotated": (v_rotated, ("forward", "equals_rope_then_write")),
     "positions_as_locations": (positions_as_locations, ("forward",)),
     "pool_rows_as_contiguous": (pool_rows_as_contiguous, ("forward",)),

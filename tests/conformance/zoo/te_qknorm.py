@@ -122,8 +122,27 @@ def k_weight_grad_one_head(*args, **kw):
     return correct(*args, **kw, _heads=heads)
 
 
+def math_depends_on_batch(q, k, q_weight, k_weight, freqs, tensor_format="sbhd", start_positions=None,
+                          interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0, eps=1e-6, gemma=False):
+    """One sequence sums its squares in float64, more in float32 (a decode path and a prefill path): each result
+    within the norm's rounding, but a sequence's result depends on what else is in the call."""
+    if tensor_format == "thd":
+        one = cu_seqlens is not None and cu_seqlens.shape[0] <= 2
+    else:
+        one = q.shape[1 if tensor_format == "sbhd" else 0] <= 1
+
+    def rms(xf):
+        if not one:
+            return torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        return torch.rsqrt(xf.double().square().mean(-1, keepdim=True) + eps).float()
+
+    return correct(q, k, q_weight, k_weight, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,
+                   cp_rank, eps, gemma, _rms=rms)
+
+
 CORRECT = correct
 BUGS = {
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "norm_over_rotated_only": (norm_over_rotated_only, ("forward", "rotation_preserves_norm")),
     "thd_positions_not_restarting": (thd_positions_not_restarting, ("forward", "thd_equals_per_sequence")),
     "start_positions_ignored": (start_positions_ignored, ("forward", "start_positions_shift")),

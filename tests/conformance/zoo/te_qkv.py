@@ -138,6 +138,20 @@ def k_rounds_in_float64(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format
             v.clone(memory_format=torch.contiguous_format))
 
 
+def math_depends_on_batch(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd", start_positions=None,
+                          interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0):
+    """A single sequence computes in float64, more in float32 (a kernel picking its path by the batch): each result
+    within one rounding, forward and backward, but a sequence's q, k and gradient depend on what else is in the
+    call."""
+    q, k, v = parts(qkv, qkv_split_arg_list)
+    s, b = seq_batch(qkv, tensor_format)
+    pos = positions(s, b, start_positions, cp_size, cp_rank, qkv.device)
+    math = torch.float64 if b == 1 else torch.float32
+    return (rotate(q, q_freqs, pos, tensor_format, interleaved, math),
+            rotate(k, k_freqs, pos, tensor_format, interleaved, math),
+            v.clone(memory_format=torch.contiguous_format))
+
+
 CORRECT = correct
 BUGS = {
     "freqs_swapped": (freqs_swapped, ("forward",)),
@@ -149,4 +163,5 @@ BUGS = {
     "k_not_interleaved": (k_not_interleaved, ("forward", "q_k_agree")),
     "v_without_gradient": (v_without_gradient, ("backward",)),
     "k_rounds_in_float64": (k_rounds_in_float64, ("q_k_agree",)),
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
 }

@@ -52,7 +52,8 @@ def write(cache, rows, slots, strides=None, swap=False, minus_one_last=False, by
 
 def run(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox,
         kv_cache_dtype="auto", k_scale=None, v_scale=None, *, rotate_k=True, tokens=None, rotate_v=False,
-        cache_strides=None, swap=False, multiply=False, minus_one_last=False, store_before=False, by_shift=False):
+        cache_strides=None, swap=False, multiply=False, minus_one_last=False, store_before=False, by_shift=False,
+        math_dtype=torch.float32):
     t = positions.shape[0]
     d = key_cache.shape[-1]
     fp8 = kv_cache_dtype != "auto"
@@ -60,12 +61,13 @@ def run(positions, query, key, value, key_cache, value_cache, slot_mapping, cos_
     store, idx = addressed(key, 1, d)
     k_before = store[idx].clone()
     n = t if tokens is None else tokens  # tokens rotated: all, or (a grid over the slots) the first n
-    rotate_all(positions[:n], query[:n], key[:n] if rotate_k else None, d, cos_sin_cache, is_neox)
+    rotate_all(positions[:n], query[:n], key[:n] if rotate_k else None, d, cos_sin_cache, is_neox,
+               math_dtype=math_dtype)
     if rotate_k:
         k_rows = store[idx].clone()
     else:  # the rotated k computed for the cache only
         k_rows = k_before.clone()
-        rotate_all(positions, k_rows, None, d, cos_sin_cache, is_neox)
+        rotate_all(positions, k_rows, None, d, cos_sin_cache, is_neox, math_dtype=math_dtype)
     if store_before:
         k_rows = k_before
     vstore, vidx = addressed(value, 1, d)
@@ -141,9 +143,17 @@ def block_by_shift(*args, **kw):
     run(*args, **kw, by_shift=True)
 
 
+def math_depends_on_batch(*args, **kw):
+    """A single token computes in float64, more in float32 (a kernel picking its path by the token count, as decode
+    and prefill paths do): each result within one rounding, but a token's rotated q and k, and the k its slot holds,
+    depend on what else is in the call."""
+    run(*args, math_dtype=torch.float64 if args[0].shape[0] == 1 else torch.float32, **kw)
+
+
 CORRECT = correct
 BUGS = {
     "k_not_written_back": (k_not_written_back, ("forward", "equals_rope_then_write")),
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "unstored_not_rotated": (unstored_not_rotated, ("forward", "unstored_tokens_rotated")),
     "short_mapping_not_rotated": (short_mapping_not_rotated, ("forward", "unstored_tokens_rotated")),
     "v_rotated": (v_rotated, ("forward", "equals_rope_then_write")),

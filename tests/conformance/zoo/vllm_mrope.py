@@ -51,6 +51,19 @@ def correct(positions, query, key, head_size, cos_sin_cache, mrope_section, is_n
     return query, key
 
 
+def math_depends_on_batch(positions, query, key, head_size, cos_sin_cache, mrope_section, is_neox=True,
+                          mrope_interleaved=False):
+    """A single token computes in float64, more in float32 (a kernel picking its path by the token count, as decode
+    and prefill paths do): each result within one rounding, but a token's result depends on what else is in the
+    call."""
+    math = torch.float64 if query.shape[0] == 1 else torch.float32
+    cos, sin = tables(positions, cos_sin_cache, mrope_section, mrope_interleaved, query.shape[0], dtype=math)
+    for x in (query, key):
+        if x is not None:
+            x.copy_(rotated(x, cos, sin, head_size, is_neox, math))
+    return query, key
+
+
 def first_row_positions(positions, query, key, head_size, cos_sin_cache, mrope_section, is_neox=True,
                         mrope_interleaved=False):
     """A [3, T] positions tensor read as its first row (text RoPE on every token)."""
@@ -141,6 +154,7 @@ def empty_returns_none(positions, query, key, head_size, cos_sin_cache, mrope_se
 
 CORRECT = correct
 BUGS = {
+    "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "empty_returns_none": (empty_returns_none, ("forward",)),
     "first_row_positions": (first_row_positions, ("forward",)),
     "key_none_rotates_query_twice": (key_none_rotates_query_twice, ("forward", "key_none")),
