@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import rotate_half
+from . import rotate_half, row_rms
 
 
 def _rope(a, cos, sin, interleaved):
@@ -14,7 +14,7 @@ def _rope(a, cos, sin, interleaved):
 
 def _norm_rope(x, w, cos, sin, eps, ud, interleaved, gemma, rms=None, weight_after=False):
     xf = x.float()
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) if rms is None else rms(xf)
+    r = row_rms(xf, eps) if rms is None else rms(xf)
     weff = w.float() + 1.0 if gemma else w.float()
     cos, sin = cos.unsqueeze(ud).float(), sin.unsqueeze(ud).float()
     if weight_after:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import per_channel, rotate_half
+from . import per_channel, rotate_half, row_rms
 from .te_qknorm import check_norm_args
 
 
@@ -29,7 +29,7 @@ def streams_of_pairs(section, pairs, interleaved, zero_only=False):
 
 def _norm_rope(x, w, cos, sin, eps, interleaved, gemma, rms=None):
     xf = x.float()
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) if rms is None else rms(xf)
+    r = row_rms(xf, eps) if rms is None else rms(xf)
     a = xf * r * (w.float() + 1.0 if gemma else w.float())
     rot = cos.shape[-1]
     head = a[..., :rot]

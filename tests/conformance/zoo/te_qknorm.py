@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import rotate_half
+from . import rotate_half, row_rms
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -56,7 +56,7 @@ def positions(shape, fmt, start, cu, cp_size, cp_rank, restart=True, use_start=T
 
 def _norm_rope(x, w, cos, sin, eps, interleaved, gemma, rms=None):
     xf = x.float()
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) if rms is None else rms(xf)
+    r = row_rms(xf, eps) if rms is None else rms(xf)
     a = xf * r * (w.float() + 1.0 if gemma else w.float())
     rot = cos.shape[-1]
     head = a[..., :rot]

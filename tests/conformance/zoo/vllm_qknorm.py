@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import per_channel, rotate_half
+from . import per_channel, rotate_half, row_rms
 
 
 def _apply(x, w, cos_sin_cache, positions, eps, is_neox, rms=None, swap=False):
@@ -15,7 +15,7 @@ def _apply(x, w, cos_sin_cache, positions, eps, is_neox, rms=None, swap=False):
         cos, sin = sin, cos
     cos, sin = (per_channel(t, not is_neox).unsqueeze(1) for t in (cos, sin))
     xf = x.float()
-    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) if rms is None else rms(xf)
+    r = row_rms(xf, eps) if rms is None else rms(xf)
     a = xf * r * w.float()
     head = a[..., :rot]
     return torch.cat([head * cos + rotate_half(head, not is_neox) * sin, a[..., rot:]], dim=-1).to(x.dtype)
