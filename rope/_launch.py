@@ -331,7 +331,8 @@ def _groups(layout, tensor_format: str, has_start: bool, h: int):
 def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, has_start: bool,
               cp_size: int, cp_rank: int, angles: Angles, backward: bool, inplace: bool = False,
               pos_table: bool = False, k: torch.Tensor | None = None, pos_strides: tuple = (0, 1, 0),
-              norm: int = 0, eps: float = 0.0, saved: tuple = (), schedule: str | None = None) -> Plan:
+              norm: int = 0, eps: float = 0.0, saved: tuple = (), schedule: str | None = None,
+              permute: bool = False) -> Plan:
     """The plan for x, or with `k` for x = q and k in one launch (same tokens, head dim and dtype; head
     counts may differ). `angles`: what the kernel reads (`Angles`); `pos_table`: the kernel's
     cu_seqlens_or_positions argument holds one position per token, at the (stream, s, b) strides `pos_strides`.
@@ -339,7 +340,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     `saved` holds the inputs (q, k) while x and k are the output gradients. `schedule` (forward only): None,
     float32 math rounded once to the output, where the compiler may fuse a product into the sum; "float32", the same
     without fused multiply-adds (each product and the sum rounded to float32, as PyTorch's operations); "eager", the
-    PyTorch expression run eagerly in the output dtype (`EAGER`: each operand, product and the sum rounded to it)."""
+    PyTorch expression run eagerly in the output dtype (`EAGER`: each operand, product and the sum rounded to it).
+    `permute`: pairs read interleaved and written half-split, the backward the other way round (`PERMUTE`)."""
     tensors = (x,) if k is None else (x, k)
     table = angles.table
     # angles differ per batch entry: a group is one (s, b) pair
@@ -405,7 +407,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     dense = tuple(_dense(t, tensor_format) for t in tensors)
     pdl = PDL and x.is_cuda and not norm
     if not norm:
-        args.update(PDL=pdl, EAGER=schedule == "eager")
+        args.update(PDL=pdl, EAGER=schedule == "eager", PERMUTE=(2 if backward else 1) if permute else 0)
     if norm:
         items = n_groups * chunks
         progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items
@@ -476,7 +478,8 @@ def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None, 
     plan = call.plans.get(key)
     if plan is None:
         plan = make_plan(x, call.layout, call.tensor_format, call.interleaved, call.has_start, call.cp_size,
-                         call.cp_rank, angles, backward, inplace, pos_table, k, pos_strides, schedule=call.schedule)
+                         call.cp_rank, angles, backward, inplace, pos_table, k, pos_strides, schedule=call.schedule,
+                         permute=call.permute)
         call.plans[key] = plan
     return plan
 

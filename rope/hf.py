@@ -49,6 +49,17 @@ def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
     return _rotate((q, k), cos, sin, unsqueeze_dim, interleaved=True, seen=seen)
 
 
+def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """transformers' DeepSeek-V3 form: each head's channels read as interleaved pairs (2i, 2i + 1), rotated by
+    columns i and i + d/2 of cos and sin (transformers' half-split tables, r = d: the whole head, DeepSeek's rope
+    slice), and written half-split: out[i] = x[2i] cos[i] - x[2i + 1] sin[i], out[i + d/2] = x[2i + 1] cos[i + d/2]
+    + x[2i] sin[i + d/2], as its function de-interleaves the head before `apply_rotary_pos_emb`. k may have one head
+    (MLA's shared k_pe). Dtypes as `apply_rotary_pos_emb`; new tensors; the gradient flows to q and k (the inverse
+    rotation, written back interleaved). `position_ids` is unused, as in transformers."""
+    seen = check_once("hf.apply_rotary_pos_emb_interleave", _check_whole_head, (q, k, cos, sin), (unsqueeze_dim,))
+    return _rotate((q, k), cos, sin, unsqueeze_dim, permute=True, seen=seen)
+
+
 def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1, mrope_interleaved=False):
     """transformers' `apply_multimodal_rotary_pos_emb` (Qwen2-VL, Qwen2.5-VL): cos, sin [3, b, s, r], one table
     per position stream (temporal, height, width) as the model's rotary module returns them; pair (i, i + r/2)
@@ -67,31 +78,41 @@ def _check_pair(q, k, cos, sin, unsqueeze_dim, schedule=None) -> None:
     check_schedule(schedule)
 
 
+def _check_whole_head(q, k, cos, sin, unsqueeze_dim) -> None:
+    """`_check_pair`, and tables as wide as the head: the de-interleaving spans the whole head."""
+    _check_pair(q, k, cos, sin, unsqueeze_dim)
+    d = q.shape[-1]
+    if cos.shape[-1] != d:
+        raise ValueError(f"cos: expected the head dim {d} as its last size (the form rotates the whole head), got "
+                         f"shape {tuple(cos.shape)}")
+
+
 def _check_single(x, cos, sin, unsqueeze_dim, schedule) -> None:
     check_rotary_tables(cos, sin, heads_views((("x", x),), unsqueeze_dim), "x", 0)
     check_schedule(schedule)
 
 
-def _rotate(xs, cos, sin, unsqueeze_dim, interleaved=False, streams=None, schedule=None, seen=None) -> tuple:
+def _rotate(xs, cos, sin, unsqueeze_dim, interleaved=False, streams=None, schedule=None, permute=False,
+            seen=None) -> tuple:
     """xs (q and k, or x; checked) rotated over the first r = cos.shape[-1] channels in one launch, as [b, s, h, d]
     views (the kernel's bshd roles); `streams` as `rope._launch.Angles` holds them for tables per stream (cos [3, b,
     s, r]); `seen`: the front end's checked signature (`check_once`). The kernel writes q's dtype: a wider result of
     transformers' promotion is the reference's."""
     views = tuple(x.transpose(1, 2) for x in xs) if unsqueeze_dim == 1 else xs
     fits = torch.promote_types(xs[0].dtype, cos.dtype) == xs[0].dtype
-    outs = dispatch(HF, views, (cos, sin), (interleaved, streams, schedule), fits=fits, seen=seen)
+    outs = dispatch(HF, views, (cos, sin), (interleaved, streams, schedule, permute), fits=fits, seen=seen)
     return tuple(o.transpose(1, 2) for o in outs) if unsqueeze_dim == 1 else tuple(outs)
 
 
 def _call(views, reads, flags) -> Call:
     b, s, h, d = views[0].shape
     return Call(Layout(s=s, b=b, h=h, d=d, rot_dim=reads[0].shape[-1], freqs_len=s), tensor_format="bshd",
-                interleaved=flags[0], schedule=flags[2])
+                interleaved=flags[0], schedule=flags[2], permute=flags[3])
 
 
 def _reads(call, reads, flags) -> tuple:
     cos, sin = reads
-    interleaved, streams, _ = flags
+    interleaved, streams = flags[:2]
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     per_batch = cos.shape[0 if streams is None else 1] > 1
@@ -103,8 +124,10 @@ def _reads(call, reads, flags) -> tuple:
 def _reference(views, reads, flags, backward) -> tuple:
     """transformers' expression on the [b, s, h, d] views, in the promoted dtype of q's and cos's."""
     cos, sin = reads
-    interleaved, streams, schedule = flags
+    interleaved, streams, schedule, permute = flags
     out_dtype = torch.promote_types(views[0].dtype, cos.dtype)
+    if permute:  # DeepSeek-V3: the head de-interleaved, (2i, 2i + 1) -> (i, i + d/2), before the half-split rotation
+        views = tuple(x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2) for x in views)
     rot = cos.shape[-1]
     if streams is not None:
         stream = reference.section_of_pair(streams[1:], rot // 2, streams[0] == 2, cos.device)
@@ -119,4 +142,4 @@ HF = convention("hf", _call, _reads, _reference)
 
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_single", "apply_rotary_pos_emb_glm",
-           "apply_multimodal_rotary_pos_emb"]
+           "apply_rotary_pos_emb_interleave", "apply_multimodal_rotary_pos_emb"]

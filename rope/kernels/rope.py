@@ -74,13 +74,17 @@ def rope_qk_kernel(
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
     POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
     SEC1: tl.constexpr, SEC2: tl.constexpr, QK: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr,
+    PERMUTE: tl.constexpr,
 ):
     """q and k of one layer in one launch (QK: a group's rows are q's then k's, its angles found once for both), or
     one tensor (`rope_kernel`): a program's chunks of a group's rows, rotated by the group's angles.
     cos_or_freqs_ptr: the cos table (TABLE) or the angles `freqs`; cu_seqlens_or_positions_ptr: the positions
     (POS_TABLE) or cu_seqlens (thd). Each tensor's strides are one tuple, (s, b, h, d) in the kernel's roles;
     positions_strides is (s, b, stream). The angles' strides are scalars: `stride_fb` must not be specialized
-    (QK_COUNTS), and Triton's do_not_specialize takes whole parameters."""
+    (QK_COUNTS), and Triton's do_not_specialize takes whole parameters. PERMUTE (DeepSeek-V3's form, half-split
+    angles): 1 reads the pairs interleaved (2i, 2i + 1) and writes them half-split (i, i + d2/2); 2, its backward,
+    the other way round; 0 reads and writes the pairs INTERLEAVED says. Not in place (the form returns new
+    tensors)."""
     if PDL:  # launched as a programmatic dependent of the kernel before it: wait for that kernel's writes first
         tl.extra.cuda.gdc_wait()
     stride_qs, stride_qb, stride_qh, stride_qd = q_strides
@@ -103,7 +107,8 @@ def rope_qk_kernel(
         stride_qh=stride_qh, stride_qob=stride_qob, stride_qoh=stride_qoh, stride_kb=stride_kb, stride_kh=stride_kh,
         stride_kob=stride_kob, stride_koh=stride_koh, GROUP_PER_BATCH=GROUP_PER_BATCH, BLOCK_R=BLOCK_R, QK=QK)
     xa, xb, tail = _load_pairs(q_rows_ptr=xq, k_rows_ptr=xk, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
-                               stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
+                               stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
+                               INTERLEAVED=INTERLEAVED or PERMUTE == 1,
                                BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
                                LOAD_TAIL=BLOCK_TAIL > 0 and not INPLACE)
     cos_a, cos_b, sin_a, sin_b = _group_angles(
@@ -116,7 +121,8 @@ def rope_qk_kernel(
         POS_TABLE=POS_TABLE, HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2)
     _rotate_and_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
                       stride_kd=stride_kod, xa=xa, xb=xb, tail=tail, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
-                      sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
+                      sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
+                      INTERLEAVED=INTERLEAVED or PERMUTE == 2,
                       BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
                       INPLACE=INPLACE, EAGER=EAGER)
     for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
@@ -128,12 +134,14 @@ def rope_qk_kernel(
             stride_kh=stride_kh, stride_kob=stride_kob, stride_koh=stride_koh, GROUP_PER_BATCH=GROUP_PER_BATCH,
             BLOCK_R=BLOCK_R, QK=QK)
         xa, xb, tail = _load_pairs(q_rows_ptr=xq, k_rows_ptr=xk, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
-                                   stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
+                                   stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
+                               INTERLEAVED=INTERLEAVED or PERMUTE == 1,
                                    BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
                                    LOAD_TAIL=BLOCK_TAIL > 0 and not INPLACE)
         _rotate_and_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
                           stride_kd=stride_kod, xa=xa, xb=xb, tail=tail, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
-                          sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
+                          sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
+                      INTERLEAVED=INTERLEAVED or PERMUTE == 2,
                           BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
                           INPLACE=INPLACE, EAGER=EAGER)
 
@@ -149,7 +157,7 @@ def rope_kernel(
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
     POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
-    SEC1: tl.constexpr, SEC2: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr,
+    SEC1: tl.constexpr, SEC2: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr, PERMUTE: tl.constexpr,
 ):
     """One tensor: `rope_qk_kernel`'s body with x as q and as k, and no k rows."""
     rope_qk_kernel(
@@ -165,4 +173,5 @@ def rope_kernel(
         ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=IS_THD, GROUP_PER_BATCH=GROUP_PER_BATCH,
         HAS_START=HAS_START, USE_CP=USE_CP, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
         RNE_BF16=RNE_BF16, PIN=PIN, INPLACE=INPLACE, TABLE=TABLE, SPLIT=SPLIT, FANOUT=FANOUT, POS_TABLE=POS_TABLE,
-        HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2, QK=False, PDL=PDL, EAGER=EAGER)
+        HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2, QK=False, PDL=PDL, EAGER=EAGER,
+        PERMUTE=PERMUTE)

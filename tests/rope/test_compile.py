@@ -365,6 +365,7 @@ CONVENTIONS = {
     "hf": (lambda: _hf_case(rope.hf.apply_rotary_pos_emb), True),
     "hf-single": (_hf_single, True),
     "hf-glm": (lambda: _hf_case(rope.hf.apply_rotary_pos_emb_glm), True),
+    "hf-deepseek-v3": (lambda: _hf_case(rope.hf.apply_rotary_pos_emb_interleave), True),
     "hf-mrope": (_hf_mrope, True),
     "mrope": (lambda: _mrope(False), True),
     "mrope-qk": (lambda: _mrope(True), True),

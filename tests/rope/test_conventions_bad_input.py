@@ -39,6 +39,13 @@ def hf_glm_args(**change):
     return rope.hf.apply_rotary_pos_emb_glm, kw
 
 
+def hf_deepseek_args(**change):
+    b, h, s, d = 2, 3, 5, 8
+    kw = dict(q=_r(b, h, s, d), k=_r(b, 1, s, d), cos=_r(b, s, d), sin=_r(b, s, d))
+    kw.update(change)
+    return rope.hf.apply_rotary_pos_emb_interleave, kw
+
+
 def flash_args(**change):
     kw = dict(x=_r(2, 5, 3, 8), cos=_r(7, 3), sin=_r(7, 3))
     kw.update(change)
@@ -172,6 +179,12 @@ CASES = [
     ("hf glm: k of another head dim", hf_glm_args, dict(k=_r(2, 1, 5, 6)), "k"),
     ("hf glm: unsqueeze_dim True", hf_glm_args, dict(unsqueeze_dim=True), "unsqueeze_dim"),
     ("hf: unsqueeze_dim 3", hf_args, dict(unsqueeze_dim=3), "unsqueeze_dim"),
+    ("hf deepseek: cos narrower than the head", hf_deepseek_args, dict(cos=_r(2, 5, 4), sin=_r(2, 5, 4)), "cos"),
+    ("hf deepseek: odd head dim (and rotary width)", hf_deepseek_args,
+     dict(q=_r(2, 3, 5, 7), k=_r(2, 1, 5, 7), cos=_r(2, 5, 7), sin=_r(2, 5, 7)), "cos"),
+    ("hf deepseek: k of another head dim", hf_deepseek_args, dict(k=_r(2, 1, 5, 6)), "k"),
+    ("hf deepseek: sin of another shape", hf_deepseek_args, dict(sin=_r(2, 5, 6)), "sin"),
+    ("hf deepseek: unsqueeze_dim 0", hf_deepseek_args, dict(unsqueeze_dim=0), "unsqueeze_dim"),
     # flash-attention
     ("flash: odd rotary width table", flash_args, dict(cos=_r(7, 5), sin=_r(7, 5)), "cos"),
     ("flash: 3-D cos", flash_args, dict(cos=_r(7, 3, 1), sin=_r(7, 3, 1)), "cos"),
@@ -274,9 +287,10 @@ def test_cache_rejects_bad_tables():
 
 @pytest.mark.parametrize("args,change,name", [
     (hf_args, dict(q=None), "q"), (hf_args, dict(k=None), "k"), (hf_single_args, dict(x=None), "x"),
-    (hf_glm_args, dict(k=None), "k"), (flash_args, dict(x=None), "x"),
+    (hf_glm_args, dict(k=None), "k"), (hf_deepseek_args, dict(q=None), "q"), (flash_args, dict(x=None), "x"),
     (vllm_args, dict(query=None), "query"), (vllm_args, dict(key="key"), "key"), (mrope_args, dict(t=None), "t"),
-], ids=["hf q", "hf k", "hf single x", "hf glm k", "flash x", "vllm query", "vllm key", "mrope t"])
+], ids=["hf q", "hf k", "hf single x", "hf glm k", "hf deepseek q", "flash x", "vllm query", "vllm key",
+        "mrope t"])
 def test_a_tensor_argument_that_is_no_tensor_is_a_type_error(args, change, name):
     """docs/contract.md section 5: a tensor argument that is not a tensor raises TypeError, in every convention."""
     fn, kw = args(**change)
