@@ -229,6 +229,11 @@ def _hf_case(fn, **kw):
     return lambda q, k: fn(q, k, cos, sin, **kw), [_rand(1, 2, 5, 8), _rand(1, 1, 5, 8, seed=1)]
 
 
+def _deepseek_v4():
+    cos, sin = _tables(5, 4, per_pair=True, lead=(1,))  # [1, 5, 2]: one column per pair, the trailing 4 of 8 rotated
+    return lambda x: rope.deepseek.apply_rotary_pos_emb(x, cos, sin), [_rand(1, 2, 5, 8)]
+
+
 def _hf_single():
     cos, sin = _tables(5, 8, lead=(1,))
     return lambda x: rope.hf.apply_rotary_pos_emb_single(x, cos, sin), [_rand(1, 2, 5, 8)]
@@ -366,6 +371,7 @@ CONVENTIONS = {
     "hf-single": (_hf_single, True),
     "hf-glm": (lambda: _hf_case(rope.hf.apply_rotary_pos_emb_glm), True),
     "hf-deepseek-v3": (lambda: _hf_case(rope.hf.apply_rotary_pos_emb_interleave), True),
+    "deepseek-v4": (_deepseek_v4, True),
     "hf-mrope": (_hf_mrope, True),
     "mrope": (lambda: _mrope(False), True),
     "mrope-qk": (lambda: _mrope(True), True),

@@ -46,6 +46,12 @@ def hf_deepseek_args(**change):
     return rope.hf.apply_rotary_pos_emb_interleave, kw
 
 
+def deepseek_v4_args(**change):
+    kw = dict(x=_r(2, 3, 5, 12), cos=_r(2, 5, 4), sin=_r(2, 5, 4))
+    kw.update(change)
+    return rope.deepseek.apply_rotary_pos_emb, kw
+
+
 def flash_args(**change):
     kw = dict(x=_r(2, 5, 3, 8), cos=_r(7, 3), sin=_r(7, 3))
     kw.update(change)
@@ -185,6 +191,12 @@ CASES = [
     ("hf deepseek: k of another head dim", hf_deepseek_args, dict(k=_r(2, 1, 5, 6)), "k"),
     ("hf deepseek: sin of another shape", hf_deepseek_args, dict(sin=_r(2, 5, 6)), "sin"),
     ("hf deepseek: unsqueeze_dim 0", hf_deepseek_args, dict(unsqueeze_dim=0), "unsqueeze_dim"),
+    ("deepseek v4: pairs wider than the head", deepseek_v4_args, dict(cos=_r(2, 5, 7), sin=_r(2, 5, 7)), "cos"),
+    ("deepseek v4: no pair", deepseek_v4_args, dict(cos=_r(2, 5, 0), sin=_r(2, 5, 0)), "cos"),
+    ("deepseek v4: cos of another length", deepseek_v4_args, dict(cos=_r(2, 4, 4), sin=_r(2, 4, 4)), "cos"),
+    ("deepseek v4: sin of another shape", deepseek_v4_args, dict(sin=_r(2, 5, 3)), "sin"),
+    ("deepseek v4: 3-D x", deepseek_v4_args, dict(x=_r(3, 5, 12)), "x"),
+    ("deepseek v4: unsqueeze_dim 3", deepseek_v4_args, dict(unsqueeze_dim=3), "unsqueeze_dim"),
     # flash-attention
     ("flash: odd rotary width table", flash_args, dict(cos=_r(7, 5), sin=_r(7, 5)), "cos"),
     ("flash: 3-D cos", flash_args, dict(cos=_r(7, 3, 1), sin=_r(7, 3, 1)), "cos"),
@@ -287,10 +299,11 @@ def test_cache_rejects_bad_tables():
 
 @pytest.mark.parametrize("args,change,name", [
     (hf_args, dict(q=None), "q"), (hf_args, dict(k=None), "k"), (hf_single_args, dict(x=None), "x"),
-    (hf_glm_args, dict(k=None), "k"), (hf_deepseek_args, dict(q=None), "q"), (flash_args, dict(x=None), "x"),
+    (hf_glm_args, dict(k=None), "k"), (hf_deepseek_args, dict(q=None), "q"), (deepseek_v4_args, dict(x=None), "x"),
+    (flash_args, dict(x=None), "x"),
     (vllm_args, dict(query=None), "query"), (vllm_args, dict(key="key"), "key"), (mrope_args, dict(t=None), "t"),
-], ids=["hf q", "hf k", "hf single x", "hf glm k", "hf deepseek q", "flash x", "vllm query", "vllm key",
-        "mrope t"])
+], ids=["hf q", "hf k", "hf single x", "hf glm k", "hf deepseek q", "deepseek v4 x", "flash x", "vllm query",
+        "vllm key", "mrope t"])
 def test_a_tensor_argument_that_is_no_tensor_is_a_type_error(args, change, name):
     """docs/contract.md section 5: a tensor argument that is not a tensor raises TypeError, in every convention."""
     fn, kw = args(**change)

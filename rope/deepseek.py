@@ -1,0 +1,63 @@
+"""DeepSeek-V4's convention: `apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1)` as transformers'
+`modeling_deepseek_v4` defines it (docs/contract.md section 7g).
+
+x: [b, h, s, D] (unsqueeze_dim=1) or [b, s, h, D] (2); cos, sin: [b or 1, s, w], one column per rotary pair (the
+model's rotary module gives no duplicated half). The trailing r = 2w channels of each head (V4 lays a head out as
+[nope | rope]) are rotated with interleaved pairs (2i, 2i + 1), pair i by cos[..., i] and sin[..., i]; the leading
+D - r channels pass through. float32 math, one rounding to x's dtype (transformers rotates `rope.float()` and casts
+back); a new tensor of x's shape; the gradient flows to x. V4 also rotates the attention output back with `-sin`:
+the same call, with the tables negated.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._backend import Call, check_once, convention, dispatch
+from ._checks import Layout, check_tables, heads_views
+from ._launch import table_angles
+
+
+def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):
+    """x's trailing 2 * cos.shape[-1] channels rotated as interleaved pairs by half-width tables; see the module."""
+    seen = check_once("deepseek.apply_rotary_pos_emb", _check, (x, cos, sin), (unsqueeze_dim,))
+    rot = 2 * cos.shape[-1]
+    nope = x.shape[-1] - rot
+    view = x.transpose(1, 2) if unsqueeze_dim == 1 else x  # [b, s, h, D]: the kernel's bshd roles
+    (rotated,) = dispatch(V4, (view[..., nope:],), (cos, sin), (), seen=seen)
+    if unsqueeze_dim == 1:
+        rotated = rotated.transpose(1, 2)
+    # transformers' result: a new tensor of x's shape, the pass-through channels copied
+    return torch.cat([x[..., :nope], rotated], dim=-1)
+
+
+def _check(x, cos, sin, unsqueeze_dim) -> None:
+    (view,) = heads_views((("x", x),), unsqueeze_dim)
+    check_tables(cos, sin, view, "x")
+    b, s, _, d = view.shape
+    if cos.dim() != 3 or cos.shape[-2] != s or cos.shape[-3] not in (1, b) or not 1 <= cos.shape[-1] <= d // 2:
+        raise ValueError(f"cos: expected shape [b, s, w] with b = {b} or 1, s = {s} and 1 <= w <= {d // 2} (one "
+                         f"column per rotary pair of the {d}-channel head), got {tuple(cos.shape)}")
+
+
+def _call(views, reads, flags) -> Call:
+    b, s, h, r = views[0].shape
+    return Call(Layout(s=s, b=b, h=h, d=r, rot_dim=r, freqs_len=s), tensor_format="bshd", interleaved=True)
+
+
+def _reads(call, reads, flags) -> tuple:
+    cos, sin = reads
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return table_angles(cos, sin, half=True, per_batch=cos.shape[0] > 1), None, None, False
+
+
+def _reference(views, reads, flags, backward) -> tuple:
+    """The rope slice ([b, s, h, r]) rotated by the tables widened to one column per channel, in float32."""
+    cos, sin = (reference.full_width(t, True).unsqueeze(2) for t in reads)
+    return tuple(reference.rotate(x, cos, sin, True) for x in views)
+
+
+V4 = convention("deepseek-v4", _call, _reads, _reference)
+
+__all__ = ["apply_rotary_pos_emb"]
