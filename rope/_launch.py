@@ -545,7 +545,7 @@ def rotate(call, x, angles, start_positions, token_index, backward, inplace=Fals
     `pos_table`, `token_index` holds the positions, [T] or [streams, s, b] (thd: b = 1), any strides."""
     if call.empty:
         return x if inplace else empty(x)
-    plan = plan_for(call, x, angles, backward, inplace, pos_table, None,
+    plan = plan_for(call, x, angles, backward != call.inverse, inplace, pos_table, None,
                     _pos_strides(token_index) if pos_table else _NO_POS_STRIDES,
                     _index_key(start_positions, token_index))
     out = x if inplace else empty(x, plan.dense[0])
@@ -559,7 +559,7 @@ def rotate_qk(call, q, k, angles, start_positions, token_index, backward, inplac
     """`rotate` for q and k in one launch; returns (q_out, k_out)."""
     if not (q.numel() or k.numel()):
         return (q, k) if inplace else (empty(q), empty(k))
-    plan = plan_for(call, q, angles, backward, inplace, pos_table, k,
+    plan = plan_for(call, q, angles, backward != call.inverse, inplace, pos_table, k,
                     _pos_strides(token_index) if pos_table else _NO_POS_STRIDES,
                     _index_key(start_positions, token_index))
     qo = q if inplace else empty(q, plan.dense[0])

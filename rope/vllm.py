@@ -15,6 +15,7 @@ from . import reference
 from ._backend import Call, check_once, convention, dispatch
 from ._checks import (
     Layout,
+    check_bools,
     check_cos_sin_cache,
     check_disjoint,
     check_inplace,
@@ -29,24 +30,35 @@ from ._checks import (
 from ._launch import table_angles
 
 
-def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, *, schedule=None):
-    """vLLM's `rotary_embedding` op: rotates query and key (if not None) in place; returns None. `schedule` (not in
-    vLLM): "eager", bitwise vLLM's `forward_native` (cos and sin cast to query's dtype, each operation rounded to
-    it); "float32", each operation rounded to float32, then the result once (docs/contract.md, "Schedules")."""
+def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0, inverse=False, *,
+                     schedule=None):
+    """vLLM's `rotary_embedding` op: rotates query and key (if not None) in place; returns None. The rotated
+    channels of each head are rope_dim_offset .. rope_dim_offset + rotary_dim (DeepSeek-V4 passes whole heads with
+    the rope slice last); `inverse` rotates by -theta (V4's attention output). `schedule` (not in vLLM): "eager",
+    bitwise vLLM's `forward_native` (cos and sin cast to query's dtype, each operation rounded to it); "float32",
+    each operation rounded to float32, then the result once (docs/contract.md, "Schedules")."""
     seen = check_once("vllm.rotary_embedding", _check_call, (positions, query, key, cos_sin_cache),
-                      (head_size, is_neox, schedule))
+                      (head_size, is_neox, rope_dim_offset, inverse, schedule))
     q, k, cos, sin, rows = _in_place(positions, query, key, head_size, cos_sin_cache)
     check_positions_in(positions, rows)  # the caller's tensor, whose identity the value-check memo keys on
-    _rotate(q, k, cos, sin, positions.reshape(-1), is_neox, (0, 0, 0, 0), seen, schedule)
+    if rope_dim_offset:  # the rotated slice alone (in place, the channels outside it are neither read nor written)
+        q, k = (None if x is None else x[..., rope_dim_offset:rope_dim_offset + 2 * cos.shape[1]] for x in (q, k))
+    _rotate(q, k, cos, sin, positions.reshape(-1), is_neox, (0, 0, 0, 0), seen, schedule, inverse)
     return None
 
 
-def _check_call(positions, query, key, cos_sin_cache, head_size, is_neox, schedule) -> None:
+def _check_call(positions, query, key, cos_sin_cache, head_size, is_neox, rope_dim_offset, inverse, schedule) -> None:
     """`rotary_embedding`'s static checks (`rope._backend.check_once`: once per signature); the in-place checks
     are `_in_place`'s, on every call."""
     _check_positions_rank(positions, "[num_tokens] or [b, s]")
-    q = _static(positions, query, key, head_size, cos_sin_cache, is_neox)[0]
+    q, _, cos, _, _ = _static(positions, query, key, head_size, cos_sin_cache, is_neox)
     check_token_positions(positions.reshape(-1), positions.numel(), q, "query")
+    rot = 2 * cos.shape[1]
+    if isinstance(rope_dim_offset, bool) or not isinstance(rope_dim_offset, int) or not \
+            0 <= rope_dim_offset <= head_size - rot:
+        raise ValueError(f"rope_dim_offset: expected an int from 0 to head_size - rotary_dim = {head_size - rot}, got "
+                         f"{rope_dim_offset!r}")
+    check_bools(inverse=inverse)
     check_schedule(schedule)
 
 
@@ -117,17 +129,18 @@ def _static(positions, query, key, head_size, cos_sin_cache, is_neox):
     return q, k, cos, sin, rows
 
 
-def _rotate(q, k, cos, sin, positions, is_neox, streams, seen=None, schedule=None):
-    """Rotate q and k in place by the rows `positions` ([num_tokens], or [3, num_tokens] with `streams`); `seen`: the
-    front end's checked signature (`check_once`)."""
-    dispatch(VLLM, (q,) if k is None else (q, k), (cos, sin, positions), (not is_neox, streams, schedule),
+def _rotate(q, k, cos, sin, positions, is_neox, streams, seen=None, schedule=None, inverse=False):
+    """Rotate q and k in place by the rows `positions` ([num_tokens], or [3, num_tokens] with `streams`), by -theta
+    where `inverse`; `seen`: the front end's checked signature (`check_once`)."""
+    dispatch(VLLM, (q,) if k is None else (q, k), (cos, sin, positions), (not is_neox, streams, schedule, inverse),
              inplace=True, seen=seen)
 
 
 def _call(ts, reads, flags) -> Call:
     q, cos = ts[0], reads[0]
     return Call(Layout(s=q.shape[0], b=1, h=q.shape[1], d=q.shape[2], rot_dim=2 * cos.shape[1],
-                       freqs_len=cos.shape[0]), tensor_format="thd", interleaved=flags[0], schedule=flags[2])
+                       freqs_len=cos.shape[0]), tensor_format="thd", interleaved=flags[0], schedule=flags[2],
+                inverse=flags[3])
 
 
 def _reads(call, reads, flags) -> tuple:
@@ -139,8 +152,10 @@ def _reads(call, reads, flags) -> tuple:
 
 def _reference(ts, reads, flags, backward) -> tuple:
     cos, sin, positions = reads
-    interleaved, streams, schedule = flags
+    interleaved, streams, schedule, inverse = flags
     full = [reference.full_width(tab, interleaved) for tab in (cos, sin)]
+    if inverse:  # one angle per pair: the rotation by -theta
+        full[1] = -full[1]
     if streams[0]:
         stream = reference.section_of_pair(streams[1:], cos.shape[1], streams[0] == 2, cos.device)
         cos_t, sin_t = (reference.select_streams(reference.rows_at(tab, positions.long()), stream, interleaved)

@@ -55,7 +55,8 @@ def test_opcheck_inplace():
     ang = torch.rand(9, 4, generator=gen) * 6
     q, k = torch.randn(5, 2, 8, generator=gen).to(DEVICE), torch.randn(5, 1, 8, generator=gen).to(DEVICE)
     positions = torch.randint(0, 9, (5,), generator=gen).to(DEVICE)
-    args = ("vllm", [q, k], [ang.cos().to(DEVICE), ang.sin().to(DEVICE), positions], repr((False, (0, 0, 0, 0), None)))
+    flags = repr((False, (0, 0, 0, 0), None, False))  # vLLM's: (interleaved, streams, schedule, inverse)
+    args = ("vllm", [q, k], [ang.cos().to(DEVICE), ang.sin().to(DEVICE), positions], flags)
     torch.library.opcheck(torch.ops.rope.rotate_.default, args)
 
 
