@@ -43,6 +43,8 @@ NAMED = {
         "hf": (("rope.hf:apply_rotary_pos_emb",), {}),
         "hf-single": (("rope.hf:apply_rotary_pos_emb_single",), {}),
         "hf-glm": (("rope.hf:apply_rotary_pos_emb_glm",), {}),
+        "hf-deepseek-v3": (("rope.hf:apply_rotary_pos_emb_interleave",), {}),
+        "deepseek-v4": (("rope.deepseek:apply_rotary_pos_emb",), {}),
         "flash": (("rope.flash:apply_rotary_emb",), {}),
         "vllm": (("rope.vllm:rotary_embedding",), {}),
         "hf-mrope": (("rope.hf:apply_multimodal_rotary_pos_emb",), {}),
@@ -77,7 +79,11 @@ NAMED = {
                          {"accuracy": "dtype", "partial": False}),
            "hf-glm": (("transformers.models.glm.modeling_glm:apply_rotary_pos_emb",
                        "transformers.models.glm4.modeling_glm4:apply_rotary_pos_emb"),
-                      {"accuracy": "dtype", "position_ids": False})},
+                      {"accuracy": "dtype", "position_ids": False}),
+           # DeepSeek-V3's views the head as pairs and checks nothing (a narrow table broadcasts or fails inside)
+           "hf-deepseek-v3": (("transformers.models.deepseek_v3.modeling_deepseek_v3:apply_rotary_pos_emb_interleave",),
+                              {"accuracy": "dtype", "bad_input": False}),
+           "deepseek-v4": (("transformers.models.deepseek_v4.modeling_deepseek_v4:apply_rotary_pos_emb",), {})},
     # flash-attention's Triton apply_rotary asserts the tables are in x's dtype
     "flash": {"flash": (("flash_attn.layers.rotary:apply_rotary_emb",), {"float32_tables": False})},
     "liger": {"liger": (("liger_kernel.transformers.rope:liger_rotary_pos_emb",), {})},
