@@ -337,10 +337,11 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     counts may differ). `angles`: what the kernel reads (`Angles`); `pos_table`: the kernel's
     cu_seqlens_or_positions argument holds one position per token, at the (stream, s, b) strides `pos_strides`.
     `norm` (1, or 2 for Gemma's 1 + w): q and k RMS-normalised per head first (`rope_qknorm_kernel`); backward,
-    `saved` holds the inputs (q, k) while x and k are the output gradients. `schedule` (forward only): None,
-    float32 math rounded once to the output, where the compiler may fuse a product into the sum; "float32", the same
-    without fused multiply-adds (each product and the sum rounded to float32, as PyTorch's operations); "eager", the
-    PyTorch expression run eagerly in the output dtype (`EAGER`: each operand, product and the sum rounded to it).
+    `saved` holds the inputs (q, k) while x and k are the output gradients. `schedule` (a call's forward; None for
+    a gradient): None, float32 math rounded once to the output, where the compiler may fuse a product into the sum;
+    "float32", the same without fused multiply-adds (each product and the sum rounded to float32, as PyTorch's
+    operations); "eager", the PyTorch expression run eagerly in the output dtype (`EAGER`: each operand, product
+    and the sum rounded to it). `backward` is the direction (a call's `inverse` forward runs backward).
     `permute`: pairs read interleaved and written half-split, the backward the other way round (`PERMUTE`)."""
     tensors = (x,) if k is None else (x, k)
     table = angles.table
@@ -396,7 +397,6 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         HALF_TABLE=angles.half, MROPE=angles.streams[0], SEC0=angles.streams[1], SEC1=angles.streams[2],
         SEC2=angles.streams[3],
     )
-    schedule = None if backward else schedule
     if k is None:
         args.update(n_heads=layout.h, rows_per_group=q_rows, **_magic_args(heads=layout.h))
     else:
@@ -478,7 +478,8 @@ def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None, 
     plan = call.plans.get(key)
     if plan is None:
         plan = make_plan(x, call.layout, call.tensor_format, call.interleaved, call.has_start, call.cp_size,
-                         call.cp_rank, angles, backward, inplace, pos_table, k, pos_strides, schedule=call.schedule,
+                         call.cp_rank, angles, backward != call.inverse, inplace, pos_table, k, pos_strides,
+                         schedule=None if backward else call.schedule,
                          permute=call.permute)
         call.plans[key] = plan
     return plan
@@ -545,7 +546,7 @@ def rotate(call, x, angles, start_positions, token_index, backward, inplace=Fals
     `pos_table`, `token_index` holds the positions, [T] or [streams, s, b] (thd: b = 1), any strides."""
     if call.empty:
         return x if inplace else empty(x)
-    plan = plan_for(call, x, angles, backward != call.inverse, inplace, pos_table, None,
+    plan = plan_for(call, x, angles, backward, inplace, pos_table, None,
                     _pos_strides(token_index) if pos_table else _NO_POS_STRIDES,
                     _index_key(start_positions, token_index))
     out = x if inplace else empty(x, plan.dense[0])
@@ -559,7 +560,7 @@ def rotate_qk(call, q, k, angles, start_positions, token_index, backward, inplac
     """`rotate` for q and k in one launch; returns (q_out, k_out)."""
     if not (q.numel() or k.numel()):
         return (q, k) if inplace else (empty(q), empty(k))
-    plan = plan_for(call, q, angles, backward != call.inverse, inplace, pos_table, k,
+    plan = plan_for(call, q, angles, backward, inplace, pos_table, k,
                     _pos_strides(token_index) if pos_table else _NO_POS_STRIDES,
                     _index_key(start_positions, token_index))
     qo = q if inplace else empty(q, plan.dense[0])

@@ -92,10 +92,12 @@ NAMED = {
     "liger-mrope": {"hf-mrope": (("liger_kernel.transformers.qwen2vl_mrope:liger_multimodal_rotary_pos_emb",),
                                  {"in_place": True, "elementwise_tables": False, "accuracy": "dtype",
                                   "partial": False})},
-    # vLLM's CUDA op: the cache in query's dtype, contiguous cache rows and int64 positions, math in query's dtype
+    # vLLM's CUDA op: the cache in query's dtype, contiguous cache rows and int64 positions, math in query's dtype;
+    # releases without rope_dim_offset or inverse (older signatures) lack those (_absent)
     "vllm": {"vllm": (("vllm._custom_ops:rotary_embedding",),
                       {"cache_dtypes": "query", "strided_cache": False, "strided_positions": False,
-                       "int32_positions": False, "accuracy": "dtype"}),
+                       "int32_positions": False, "accuracy": "dtype",
+                       "_absent": {"rope_dim_offset": {"rope_dim_offset": False}, "inverse": {"inverse": False}}}),
              # its fused QK norm + RoPE: contiguous qkv, weights in qkv's dtype, int64 positions, head_dim 64/128/256
              "vllm-qknorm": (("vllm._custom_ops:fused_qk_norm_rope",),
                              {"weight_dtypes": "qkv", "strides": False, "int32_positions": False,

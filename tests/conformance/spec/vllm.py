@@ -1,12 +1,16 @@
 """vLLM's convention (its custom op `vllm._custom_ops.rotary_embedding`):
-    rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox) -> None
+    rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0, inverse=False)
+        -> None
 positions [T] or [b, s], int64 (or int32); query [*positions.shape, hq * head_size] or [*positions.shape, hq,
 head_size], key likewise with its own form, strides and head count (GQA: hk divides hq), or None. The tokens of a
 [b, s] call are the flattened b * s (vLLM steps through them with one token stride). query and key may be head
 slices of one packed qkv buffer. cos_sin_cache [max_position, rot]: row p = cos of the rot / 2 angles of position
-p, then their sin (one angle per pair). is_neox: half-split pairs (i, i + rot / 2), else interleaved (2i, 2i + 1);
-channels rot.. head_size untouched. query and key are rotated IN PLACE (in their dtype); nothing is returned.
-Forward only: vLLM serves inference, its op has no autograd.
+p, then their sin (one angle per pair). The rotated channels of each head are rope_dim_offset .. rope_dim_offset +
+rot (0 <= rope_dim_offset <= head_size - rot; DeepSeek-V4 passes whole heads with the rope slice last); is_neox:
+within that slice half-split pairs (i, i + rot / 2), else interleaved (2i, 2i + 1); every other channel of the head
+untouched. inverse: rotation by -theta (sin negated: V4's inverse rotation of the attention output). query and key
+are rotated IN PLACE (in their dtype); nothing is returned. Forward only: vLLM serves inference, its op has no
+autograd.
 """
 from __future__ import annotations
 
@@ -41,10 +45,30 @@ class Plan(NamedTuple):
     k_layout: Layout
     cache_layout: Layout
     positions_layout: Layout
+    offset: int = 0  # rope_dim_offset: the first rotated channel of each head
+    inverse: bool = False  # rotation by -theta
+    explicit_defaults: bool = False  # rope_dim_offset and inverse passed where they hold their defaults
 
     @property
     def tokens(self) -> int:
         return int(torch.tensor(self.lead).prod())
+
+
+def slice_first(p: Plan) -> torch.Tensor:
+    """The head's channels with the rotated slice first: offset .. offset + rot, then those before it, then those
+    after it (the order `read` and `define` give, so that an Expect's first rot channels are the rotated ones and
+    the rest the untouched copies)."""
+    return torch.cat([torch.arange(p.offset, p.offset + p.rot), torch.arange(p.offset),
+                      torch.arange(p.offset + p.rot, p.d)])
+
+
+def offsets(draw, caps, d: int, rot: int) -> int:
+    """rope_dim_offset, drawn where the capability allows it: 0 and head_size - rot (the rope slice last, as
+    DeepSeek-V4 passes its heads) each about one draw in three, any offset between them the rest."""
+    top = d - rot
+    if not caps["rope_dim_offset"] or top == 0:
+        return 0
+    return draw(st.one_of(st.just(0), st.just(top), st.integers(0, top)))
 
 
 def limits():
@@ -85,13 +109,19 @@ def head_count(p: Plan, name: str) -> int:
     return p.hq if name == "query" else p.hk
 
 
+def heads_of(p: Plan, name: str, t: torch.Tensor) -> torch.Tensor:
+    """query or key as [T, h, head_size], its channels as they lie in the head."""
+    return t.reshape(p.tokens, head_count(p, name), p.d)
+
+
 def divisors(n: int) -> tuple:
     return tuple(k for k in range(1, n + 1) if n % k == 0)
 
 
 class VLLM(Convention):
     NAME = "vllm"
-    SIGNATURE = ("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox")
+    SIGNATURE = ("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox", "rope_dim_offset", "inverse")
+    OPTIONAL = {"rope_dim_offset": 0, "inverse": False}
     DIFFERENTIABLE = ()
     CAPS = {
         "dtypes": (DTYPES, "dtypes of query and key"),
@@ -111,6 +141,9 @@ class VLLM(Convention):
         "accuracy": ("float32", "accuracy model (accuracy.py): float32 math and one rounding, or dtype math "
                                 "(vLLM's kernel multiplies in the query's dtype)"),
         "empty": (True, "no tokens: positions [0] (or [b, s] with b or s 0), query and key without elements"),
+        "rope_dim_offset": (True, "rope_dim_offset > 0: the rotated channels rope_dim_offset .. + rot of each head, "
+                                  "the others untouched (with partial: rot < head_size)"),
+        "inverse": (True, "inverse=True: the rotation by -theta (the cache's sin negated)"),
     }
 
     def plans(self, caps):
@@ -135,13 +168,16 @@ class VLLM(Convention):
                 contiguous(len(lead) + q_heads_dim + 1)
             k_layout = q_layout if packed else draw(token_layouts(len(lead), k_heads_dim)) if strides else \
                 contiguous(len(lead) + k_heads_dim + 1)
-            return Plan(
+            plan = Plan(
                 draw(seeds()), dtype, cache_dtype, lead,
                 draw(st.sampled_from((torch.int64, torch.int32))) if caps["int32_positions"] else torch.int64,
                 hq, hk, d, rot, draw(max_positions(lim)), draw(st.sampled_from(caps["is_neox"])),
                 q_heads_dim, k_heads_dim, packed, q_layout, k_layout,
                 draw(layouts(2)) if caps["strided_cache"] else contiguous(2),
                 draw(positions_layouts(len(lead))) if caps["strided_positions"] else contiguous(len(lead)))
+            # drawn last, once the head and its rotary width are known
+            return plan._replace(offset=offsets(draw, caps, d, rot), inverse=caps["inverse"] and draw(st.booleans()),
+                                 explicit_defaults=domains.explicit_defaults(draw, caps))
 
         return draw()
 
@@ -166,23 +202,31 @@ class VLLM(Convention):
             key = arena.place(form(values(p.hk), p.k_heads_dim), p.k_layout) if p.hk else None
         args = dict(positions=positions, query=query, key=key, head_size=p.d, cos_sin_cache=cache,
                     is_neox=p.is_neox)
+        # by keyword where they differ from the defaults (settle_defaults passes the defaults where the plan says)
+        if p.offset:
+            args["rope_dim_offset"] = p.offset
+        if p.inverse:
+            args["inverse"] = True
         return Case(p, args, 6, arena.buffers)
 
     def effects(self, case):
         return ("query", "key"), None
 
     def read(self, case, name, t):
-        return t.reshape(case.plan.tokens, head_count(case.plan, name), case.plan.d)
+        """[T, h, head_size], each head's rotated slice first (slice_first)."""
+        return heads_of(case.plan, name, t)[..., slice_first(case.plan).to(t.device)]
 
     def define(self, case, x64):
         p = case.plan
         half = p.rot // 2
         rows = x64["cos_sin_cache"][x64["positions"].reshape(-1)]  # [T, rot]
-        cos, sin = (pairing.per_channel(t, not p.is_neox).unsqueeze(-2) for t in (rows[:, :half], rows[:, half:]))
+        sign = -1.0 if p.inverse else 1.0  # R(-theta): cos(-theta) = cos, sin(-theta) = -sin
+        cos, sin = (pairing.per_channel(t, not p.is_neox).unsqueeze(-2)
+                    for t in (rows[:, :half], sign * rows[:, half:]))
         out = {}
         for name in ("query", "key"):
             if case.args[name] is not None:
-                x = x64[name].reshape(p.tokens, head_count(p, name), p.d)
+                x = heads_of(p, name, x64[name])[..., slice_first(p)]
                 out[name] = Expect(pairing.rotate(x, cos, sin, not p.is_neox), x, p.rot, not p.is_neox, p.dtype)
         return out
 
@@ -259,7 +303,8 @@ def query_key_independent(conv, fn, caps, plan):
 
 def inverse(conv, fn, caps, plan):
     """The call with the cache's sin half negated undoes the call (R(-theta) R(theta) = I), within two
-    roundings and the cache's (|cos^2 + sin^2 - 1| up to EPS of its dtype); untouched channels bitwise."""
+    roundings and the cache's (|cos^2 + sin^2 - 1| up to EPS of its dtype); untouched channels bitwise. With
+    inverse=True both calls rotate the other way: the second still undoes the first."""
     case = make_case(conv, caps, plan)
     names = [n for n in ("query", "key") if case.args[n] is not None]
     before = {n: conv.read(case, n, case.args[n]).clone() for n in names}
@@ -275,18 +320,23 @@ def inverse(conv, fn, caps, plan):
 
 
 def is_neox_moves_channels(conv, fn, caps, plan):
-    """is_neox=False on channels rearranged (i, i + rot/2) -> (2i, 2i + 1) equals is_neox=True, rearranged back:
-    the flag moves channels, nothing else (within two roundings: a kernel may contract either product)."""
+    """is_neox=False on channels rearranged (i, i + rot/2) -> (2i, 2i + 1) within the rotated slice equals
+    is_neox=True, rearranged back: the flag moves channels, nothing else (within two roundings: a kernel may
+    contract either product). Compared slice first (`read`); the rearranged heads are written back with the slice at
+    its offset."""
     if set(caps["is_neox"]) != {True, False}:
         return
     neox = torch.cat([torch.arange(0, plan.rot, 2), torch.arange(1, plan.rot, 2), torch.arange(plan.rot, plan.d)])
     to_interleaved = torch.argsort(neox)
+    order = slice_first(plan)
 
     def rearrange(case):
         for n in ("query", "key"):
             x = case.args[n]
             if x is not None:
-                heads = CONVENTION.read(case, n, x)[..., to_interleaved.to(x.device)]
+                first = CONVENTION.read(case, n, x)[..., to_interleaved.to(x.device)]
+                heads = torch.empty_like(first)
+                heads[..., order.to(x.device)] = first
                 case.args[n] = heads.reshape(x.shape).contiguous()
 
     want = rotated(fn, caps, plan._replace(is_neox=True))
@@ -325,6 +375,73 @@ def batch_rows_alone(conv, fn, caps, plan):
                        rolled[n], torch.roll(whole[n], 1, 0))
 
 
+def offset_is_a_slice(conv, fn, caps, plan):
+    """rope_dim_offset = o (the plan's, else head_size - rot: DeepSeek-V4's) on whole heads: channels o .. o + rot of
+    each head are bitwise the call with offset 0 on those channels as a tensor of their own (head_size = rot, in the
+    plan's form, contiguous): the offset moves addresses, not the arithmetic. Every other channel bitwise as given
+    (neither rotated nor rounded)."""
+    if not caps["rope_dim_offset"] or plan.d == plan.rot:
+        return
+    o = plan.offset or plan.d - plan.rot
+    p = plan._replace(offset=o)
+    case = make_case(conv, caps, p)
+    names = [n for n in ("query", "key") if case.args[n] is not None]
+    given = {n: heads_of(p, n, case.args[n]).clone() for n in names}
+    with torch.no_grad():
+        case.call(fn)
+    # the slice alone: [*lead, h, rot] or [*lead, h * rot], as the plan's form of each
+    alone = plain(p, d=p.rot, offset=0, packed=False)
+    own = {}
+    for n in names:
+        t = given[n][..., o:o + p.rot].reshape(*p.lead, head_count(p, n), p.rot).contiguous()
+        own[n] = t if (p.q_heads_dim if n == "query" else p.k_heads_dim) else t.flatten(-2)
+    args = {k: v for k, v in case.args.items() if k != "rope_dim_offset"}
+    args.update(own, head_size=p.rot)
+    with torch.no_grad():
+        Case(alone, args, case.positional).call(fn)
+    outside = torch.cat([torch.arange(o), torch.arange(o + p.rot, p.d)])
+    for n in names:
+        got = heads_of(p, n, case.args[n])
+        assert_bitwise(f"{n}[..., {o}:{o + p.rot}] with rope_dim_offset={o}, against the call on those channels "
+                       f"alone", got[..., o:o + p.rot], heads_of(alone, n, own[n]))
+        assert_bitwise(f"{n}: the channels outside {o}..{o + p.rot} with rope_dim_offset={o}, against as given",
+                       got[..., outside.to(got.device)], given[n][..., outside.to(got.device)])
+
+
+def inverse_undoes(conv, fn, caps, plan):
+    """The call with `inverse` flipped undoes the call (R(-theta) R(theta) = I), within compare.assert_undone's bound
+    (two roundings and the cache's); the channels outside the rotated slice bitwise."""
+    if not caps["inverse"]:
+        return
+    case = make_case(conv, caps, plan)
+    names = [n for n in ("query", "key") if case.args[n] is not None]
+    before = {n: conv.read(case, n, case.args[n]).clone() for n in names}
+    with torch.no_grad():
+        case.call(fn)
+        case.args["inverse"] = not plan.inverse
+        case.call(fn)
+    for n in names:
+        assert_undone(f"inverse={not plan.inverse} after inverse={plan.inverse}: {n}", conv.read(case, n, case.args[n]),
+                      before[n], plan.rot, not plan.is_neox, plan.cache_dtype, caps.get("accuracy", "float32"))
+
+
+def inverse_is_negated_sin(conv, fn, caps, plan):
+    """inverse=True equals inverse=False with the cache's sin half negated, bitwise: sin(-theta) = -sin(theta), and
+    negation is exact (x1 cos - x2 (-sin) and x1 cos + x2 sin round the same sum)."""
+    if not caps["inverse"]:
+        return
+    half = plan.rot // 2
+
+    def negate_sin(case):
+        cache = case.args["cos_sin_cache"]
+        case.args["cos_sin_cache"] = torch.cat([cache[:, :half], -cache[:, half:]], dim=-1)
+
+    want = rotated(fn, caps, plan._replace(inverse=False), negate_sin)
+    got = rotated(fn, caps, plan._replace(inverse=True))
+    for n in want:
+        assert_bitwise(f"{n} with inverse=True, against inverse=False with the cache's sin negated", got[n], want[n])
+
+
 VLLM.INVARIANTS = {
     "batch_rows_alone": batch_rows_alone,
     "is_neox_moves_channels": is_neox_moves_channels,
@@ -333,18 +450,25 @@ VLLM.INVARIANTS = {
     "key_none_leaves_query": key_none_leaves_query,
     "query_key_independent": query_key_independent,
     "inverse": inverse,
+    "offset_is_a_slice": offset_is_a_slice,
+    "inverse_undoes": inverse_undoes,
+    "inverse_is_negated_sin": inverse_is_negated_sin,
 }
 CONVENTION = VLLM()
 
 
 def _forward_native(case, math):
     """vLLM's `forward_native` on the case's arguments (before the call writes them): the cache's rows gathered at
-    the positions and chunked into cos and sin, both cast to `math` (None: the query's dtype, as vLLM casts them),
-    x1 cos - x2 sin and x2 cos + x1 sin in that dtype, each operation rounded to it, the result in the query's
-    dtype; channels past rot copied. {name: tensor of the argument's shape}."""
+    the positions and chunked into cos and sin (sin negated for inverse=True), both cast to `math` (None: the query's
+    dtype, as vLLM casts them), x1 cos - x2 sin and x2 cos + x1 sin in that dtype on each head's channels
+    rope_dim_offset .. + rot, each operation rounded to it, the result in the query's dtype; the other channels
+    copied. {name: tensor of the argument's shape}."""
     p, args = case.plan, case.args
     rows = args["cos_sin_cache"].index_select(0, args["positions"].reshape(-1).long())
     cos, sin = rows.chunk(2, dim=-1)
+    if p.inverse:
+        sin = -sin
+    start, end = p.offset, p.offset + p.rot
     out = {}
     with torch.no_grad():
         for name in ("query", "key"):
@@ -354,12 +478,12 @@ def _forward_native(case, math):
             heads = x.reshape(p.tokens, head_count(p, name), p.d)
             dtype = math or x.dtype
             c, s = cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)
-            x_rot = heads[..., :p.rot].to(dtype)
+            x_rot = heads[..., start:end].to(dtype)
             x1, x2 = x_rot.chunk(2, dim=-1) if p.is_neox else (x_rot[..., ::2], x_rot[..., 1::2])
             o1 = x1 * c - x2 * s
             o2 = x2 * c + x1 * s
             rot = torch.cat((o1, o2), dim=-1) if p.is_neox else torch.stack((o1, o2), dim=-1).flatten(-2)
-            out[name] = torch.cat([rot.to(x.dtype), heads[..., p.rot:]], dim=-1).reshape(x.shape)
+            out[name] = torch.cat([heads[..., :start], rot.to(x.dtype), heads[..., end:]], dim=-1).reshape(x.shape)
     return out
 
 
@@ -372,6 +496,11 @@ VLLM.SCHEDULES = {"eager": lambda case: _forward_native(case, None),
 def _is_neox_domain() -> tuple:
     return domains.flags(lambda p: p.is_neox, (True, False), ("half-split (True)", "interleaved (False)"),
                          allowed=lambda caps: caps["is_neox"])
+
+
+def _no_offset(caps) -> bool:
+    """No offset but 0 is drawn: the target has no rope_dim_offset, or rotates whole heads only (no room for one)."""
+    return not caps.get("rope_dim_offset", True) or not caps.get("partial", True)
 
 
 VLLM.DOMAIN = {
@@ -393,4 +522,12 @@ VLLM.DOMAIN = {
                       *domains.layouts("cos_sin_cache", "strided_cache"),
                       *domains.widths(lambda p: (p.rot, p.d))),
     "is_neox": _is_neox_domain(),
+    "rope_dim_offset": (*domains.optional("rope_dim_offset", "another offset (> 0)", cap="rope_dim_offset",
+                                          other_off=_no_offset),
+                        domains.cls("0", lambda p, c: p.offset == 0),
+                        domains.cls("between 0 and head_size - rotary_dim", lambda p, c: 0 < p.offset < p.d - p.rot,
+                                    "rope_dim_offset", _no_offset),
+                        domains.cls("head_size - rotary_dim (the rope slice last, DeepSeek-V4's)",
+                                    lambda p, c: 0 < p.offset == p.d - p.rot, "rope_dim_offset", _no_offset)),
+    "inverse": domains.optional("inverse", "True (the rotation by -theta)", cap="inverse"),
 }
