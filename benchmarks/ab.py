@@ -14,11 +14,12 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from timing import eager_us, graph_us  # noqa: E402
+
 import rope  # noqa: E402
 
 dev = "cuda"
@@ -36,45 +37,6 @@ def load_old(path: str):
     sys.path.insert(0, str(folder))
     import rope_old
     return rope_old
-
-
-def graph_us(fn, calls=50, reps=30):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-        s.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(calls):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record(s)
-            g.replay()
-            b.record(s)
-            b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3 / calls)
-    torch.cuda.current_stream().wait_stream(s)
-    return statistics.median(ts)
-
-
-def eager_us(fn, n=300):
-    """(wall per call to the end of the GPU's work, host time per call: the loop before the final sync)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) * 1e6 / n, host * 1e6 / n
 
 
 def cases(R):

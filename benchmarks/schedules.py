@@ -8,51 +8,16 @@ PyTorch expression it names (transformers' `apply_rotary_pos_emb`, vLLM's `forwa
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from timing import eager_us, graph_us  # noqa: E402
+
 import rope  # noqa: E402
 
 DEV = "cuda"
 SCHEDULES = (None, "eager", "float32")
-
-
-def graph_us(fn, calls=50, reps=30):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-        s.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(calls):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(s)
-            g.replay()
-            b.record(s)
-            b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3 / calls)
-    torch.cuda.current_stream().wait_stream(s)
-    return statistics.median(ts)
-
-
-def eager_us(fn, n=300):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) * 1e6 / n
 
 
 def rotate_half(x):
@@ -120,7 +85,7 @@ def main():
                 graph[s].append(graph_us(fn))
         for _ in range(7):
             for s, fn in calls.items():
-                eager[s].append(eager_us(fn))
+                eager[s].append(eager_us(fn)[0])
         g = {s: min(v) for s, v in graph.items()}
         e = {s: statistics.median(v) for s, v in eager.items()}
         print(f"{name:32s} graph: default {g[None]:7.2f} µs, eager {g['eager']:7.2f} ({g['eager'] / g[None]:.3f}x), "

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from .. import pairing
 from ..compare import assert_bitwise, assert_undone, assert_within
-from ..contract import Returned
+from ..contract import Returned, Snapshot
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, domains, small
@@ -169,6 +169,27 @@ class HF(Convention):
 def rotated(case) -> list:
     """The rotated arguments: q and k, or x (the one-tensor form)."""
     return [n for n in ("q", "k", "x") if n in case.args]
+
+
+def refuses_each(fn, case, bad) -> None:
+    """Every bad call of `bad` ((names, overrides): the argument at fault and its aliases, the arguments that replace
+    the case's) raises a TypeError or ValueError whose message starts with one of the names, and leaves every
+    buffer of the case as it was (nothing written on the way to the error)."""
+    for names, over in bad:
+        what = ", ".join(f"{k} {tuple(v.shape) if isinstance(v, torch.Tensor) else v!r}" for k, v in over.items())
+        snap = Snapshot(case.buffers)
+        try:
+            with torch.no_grad():
+                call(fn, case, **over)
+        except (TypeError, ValueError) as e:
+            assert str(e).startswith(names), f"bad {names[0]} ({what}): the message does not start with " \
+                                             f"{' or '.join(names)}: {e}"
+        except Exception as e:  # noqa: BLE001 - any other exception is the wrong kind of error
+            raise AssertionError(f"bad {names[0]} ({what}): expected TypeError or ValueError, got "
+                                 f"{type(e).__name__}: {e}") from e
+        else:
+            raise AssertionError(f"bad {names[0]} ({what}): no error raised")
+        snap.check_unchanged()
 
 
 def call(fn, case, **overrides):
