@@ -200,7 +200,12 @@ class Plan:
         self.scalars = scalars  # every argument after the pointers, in the kernel's order (`kernel_args`)
         self.num_warps = num_warps
         self.compiled = None
-        self.options = options or {}  # Triton's compile options beyond num_warps (launch_pdl, maxnreg)
+        # Triton's compile options beyond num_warps (launch_pdl, maxnreg). No plan lets the compiler fuse a product
+        # into a sum: whether it fuses, and which product, varies with the compiled variant (tile, layout), which the
+        # call's shapes choose, so a sequence's result would depend on the rest of the batch (the H200 gave DeepSeek-V3's
+        # float32 gradients another last bit alone than in a batch of three). Without fusion every variant computes
+        # each element by the same float32 operations: the `float32` schedule, bitwise, on every device.
+        self.options = dict(enable_fp_fusion=False, **(options or {}))
 
     def arg(self, name: str):
         """The value of the kernel's scalar argument `name` (tests and tools; not on the hot path)."""
@@ -338,9 +343,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     cu_seqlens_or_positions argument holds one position per token, at the (stream, s, b) strides `pos_strides`.
     `norm` (1, or 2 for Gemma's 1 + w): q and k RMS-normalised per head first (`rope_qknorm_kernel`); backward,
     `saved` holds the inputs (q, k) while x and k are the output gradients. `schedule` (a call's forward; None for
-    a gradient): None, float32 math rounded once to the output, where the compiler may fuse a product into the sum;
-    "float32", the same without fused multiply-adds (each product and the sum rounded to float32, as PyTorch's
-    operations); "eager", the PyTorch expression run eagerly in the output dtype (`EAGER`: each operand, product
+    a gradient): None or "float32", float32 math (each product and the sum rounded to float32, as PyTorch's
+    operations: no plan fuses a multiply-add, `Plan`), then one rounding to the output; "eager", the PyTorch expression run eagerly in the output dtype (`EAGER`: each operand, product
     and the sum rounded to it). `backward` is the direction (a call's `inverse` forward runs backward).
     `permute`: pairs read interleaved and written half-split, the backward the other way round (`PERMUTE`)."""
     tensors = (x,) if k is None else (x, k)
@@ -419,8 +423,6 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
                     x.device, dense, None if cap is None else dict(maxnreg=cap))
     pointers = ROTATE_POINTERS if k is None else ROTATE_QK_POINTERS
     options = dict(launch_pdl=True) if pdl else {}
-    if schedule is not None:  # a schedule rounds each product: no fused multiply-add may skip it
-        options.update(enable_fp_fusion=False)
     return Plan(kernel, (n_groups * chunks, 1, 1), kernel_args(kernel, pointers, args), num_warps, x.device, dense,
                 options)
 

@@ -96,8 +96,8 @@ def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=Fa
             if name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    # the eager schedule compiles without fused multiply-adds, as the launcher's plan asks (`rope._launch.make_plan`)
-    options = dict(num_warps=num_warps, **(dict(enable_fp_fusion=False) if eager else {}))
+    # without fused multiply-adds, as every plan of the launcher compiles (`rope._launch.Plan`)
+    options = dict(num_warps=num_warps, enable_fp_fusion=False)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 

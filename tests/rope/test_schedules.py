@@ -1,6 +1,7 @@
 """rope's schedules (`schedule=`, docs/contract.md "Schedules"): with "eager" the forward of transformers' and vLLM's
 calls is bitwise the convention's PyTorch expression run eagerly, with "float32" bitwise its float32 operations; the
-default (None) is neither where 16-bit outputs tell them apart. The verdicts are the suite's own (`run.schedule`, the
+default (None) is the float32 schedule too (no plan fuses a multiply-add, on any device), and not the eager one where
+16-bit outputs tell them apart. The verdicts are the suite's own (`run.schedule`, the
 schedules of spec/hf.py and spec/vllm.py, written from the conventions' definitions) on the suite's drawn cases:
 strided views, per-sequence tables, GQA, partial rotary, every dtype pairing the convention allows.
 """
@@ -20,16 +21,18 @@ from .cases import DEVICE
 
 CONVENTIONS = ("hf", "hf-single", "vllm")
 SCHEDULES = ("eager", "float32")
+# (registry target, the schedule it is held to): each named schedule, and the default held to float32's
+TARGETS = (("rope-eager", "eager"), ("rope-float32", "float32"), ("rope", "float32"))
 # the CPU interpreter runs each drawn case through the kernel once; the gpu profile's own count applies on a device
 MAX_EXAMPLES = 15 if DEVICE == "cpu" else 60
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("impl,schedule", TARGETS, ids=[t for t, _ in TARGETS])
 @pytest.mark.parametrize("name", CONVENTIONS)
 @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_schedule_is_bitwise(name, schedule, data):
-    target = resolve(f"rope-{schedule}")
+def test_schedule_is_bitwise(name, impl, schedule, data):
+    target = resolve(impl)
     conv = spec.load(name)
     caps = conv.caps(target.caps[name])
     run.schedule(conv, target.fns[name], caps, data.draw(conv.plans(caps), label="plan"), schedule)
