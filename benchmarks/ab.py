@@ -60,7 +60,7 @@ def cases(R):
     out["te decode 64 start_positions"] = lambda: R.apply_rotary_pos_emb(td, fd, "sbhd", start_positions=sp,
                                                                         fused=True)
     # transformers: q, k as [b, h, s, d] views of [b, s, h, d]; cos/sin [b, s, d] bf16
-    for b, s, name in ((1, 4096, "hf prefill 1x4K"), (64, 1, "hf decode 64")):
+    for b, s, name in ((8, 4096, "hf prefill 8x4K"), (1, 4096, "hf prefill 1x4K"), (64, 1, "hf decode 64")):
         qp = torch.randn(b, s, 32, 128, device=dev, dtype=bf).transpose(1, 2)
         kp = torch.randn(b, s, 8, 128, device=dev, dtype=bf).transpose(1, 2)
         ang = torch.rand(b, s, 64, device=dev) * 100

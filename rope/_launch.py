@@ -49,6 +49,11 @@ _TABLE_THD_BYTES = 4096
 _POS_TABLE_THD_BYTES = 2048
 _TABLE_BYTES_PER_THREAD = 32
 _TABLE_BYTES_PER_THREAD_SMALL = 16
+# Tables given per sequence (transformers' [b, s, d]): a token's row of cos and sin is read by no other group, so a
+# program takes all the token's q and k heads (up to 8 tiles), reading the row once instead of once per tile, with
+# 16 bytes per thread (two warps per 8-row tile) where the tensor is large (benchmarks/tile_study.py; docs/design.md
+# gives the times). Decode keeps a tile per program: there the programs are few.
+_TABLE_TILES_PER_SEQUENCE_ROW = 8
 _THREADS_PER_SM = 2048
 # The interpreter runs programs one after another and a tile operation costs about the same at any size:
 # there, tiles take up to 64 rows (tests that need the GPU's decomposition ask for it).
@@ -240,10 +245,19 @@ def _dense(x: torch.Tensor, tensor_format: str) -> bool:
     return _roles(x, tensor_format) == _out_roles(x, tensor_format, False)
 
 
-def _table_tile(tensor_bytes: int, device, spans_batch: bool, per_stream: bool = False) -> tuple:
-    """(most rows per tile, bytes of each row-half per thread) for the kernel reading the table."""
+def _large(tensor_bytes: int, device) -> bool:
+    """Whether the tensors exceed what the GPU's threads hold in flight at 32 bytes each."""
+    return tensor_bytes > _sm_count(device) * _THREADS_PER_SM * _TABLE_BYTES_PER_THREAD
+
+
+def _table_tile(tensor_bytes: int, device, spans_batch: bool, per_stream: bool = False,
+                per_sequence: bool = False) -> tuple:
+    """(most rows per tile, bytes of each row-half per thread) for the kernel reading the table. `per_sequence`:
+    the table has a row per token of each sequence (`_TABLE_TILES_PER_SEQUENCE_ROW`)."""
     sms = _sm_count(device)
-    if tensor_bytes > sms * _THREADS_PER_SM * _TABLE_BYTES_PER_THREAD:
+    if _large(tensor_bytes, device):
+        if per_sequence and not per_stream:
+            return _TABLE_ROWS, _TABLE_BYTES_PER_THREAD_SMALL
         return (_TABLE_ROWS_PER_STREAM if per_stream else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD
     tiny = tensor_bytes <= sms * _TABLE_ROWS_SMALL_BYTES_PER_SM or per_stream
     return (_TABLE_ROWS_SMALL if tiny else _TABLE_ROWS), _TABLE_BYTES_PER_THREAD_SMALL
@@ -276,12 +290,16 @@ def _tile(d: int, d2: int, interleaved: bool, element_size: int, rows_per_group:
 
 
 def _rows_per_program(n_groups: int, rows: int, block_r: int, spans_batch: bool, element_size: int,
-                      full_rotary: bool, table: bool, device, row_bytes: int = 0, pos_table: bool = False) -> int:
-    """Rows of a group per program (a multiple of block_r) by the rules above."""
+                      full_rotary: bool, table: bool, device, row_bytes: int = 0, pos_table: bool = False,
+                      sequence_rows: bool = False) -> int:
+    """Rows of a group per program (a multiple of block_r) by the rules above. `sequence_rows`: a large call whose
+    groups each read a table row of their own (`_TABLE_TILES_PER_SEQUENCE_ROW`)."""
     if table:
         if row_bytes:
             program_bytes = _POS_TABLE_THD_BYTES if pos_table else _TABLE_THD_BYTES
             return min(triton.cdiv(rows, block_r), max(1, program_bytes // (row_bytes * block_r))) * block_r
+        if sequence_rows:
+            return min(triton.cdiv(rows, block_r), _TABLE_TILES_PER_SEQUENCE_ROW) * block_r
         return block_r
     if spans_batch and element_size <= 2 and full_rotary:
         return triton.cdiv(_EVAL_ROWS_16BIT, block_r) * block_r
@@ -344,13 +362,15 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     `norm` (1, or 2 for Gemma's 1 + w): q and k RMS-normalised per head first (`rope_qknorm_kernel`); backward,
     `saved` holds the inputs (q, k) while x and k are the output gradients. `schedule` (a call's forward; None for
     a gradient): None or "float32", float32 math (each product and the sum rounded to float32, as PyTorch's
-    operations: no plan fuses a multiply-add, `Plan`), then one rounding to the output; "eager", the PyTorch expression run eagerly in the output dtype (`EAGER`: each operand, product
-    and the sum rounded to it). `backward` is the direction (a call's `inverse` forward runs backward).
+    operations: no plan fuses a multiply-add, `Plan`), then one rounding to the output; "eager", the PyTorch
+    expression run eagerly in the output dtype (`EAGER`: each operand, product and the sum rounded to it). `backward` is the direction (a call's `inverse` forward runs backward).
     `permute`: pairs read interleaved and written half-split, the backward the other way round (`PERMUTE`)."""
     tensors = (x,) if k is None else (x, k)
     table = angles.table
     # angles differ per batch entry: a group is one (s, b) pair
     per_row = has_start or angles.stride_b != 0 or (pos_table and pos_strides[2] != 0 and layout.b > 1)
+    # a table row per token of each sequence, read by one group only (transformers' per-sequence tables)
+    sequence_table = table and angles.stride_b != 0 and angles.stride_m == 0 and not interleaved
     n_groups, q_rows, per_batch = _groups(layout, tensor_format, per_row, layout.h)
     k_rows = 0 if k is None else _groups(layout, tensor_format, per_row, k.shape[-2])[1]
     rows = q_rows + k_rows
@@ -365,7 +385,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         table_tile = (_TABLE_ROWS, _TABLE_BYTES_PER_THREAD) if table else None
         tile_rows = _NORM_TILE_ROWS
     else:
-        table_tile = _table_tile(tensor_bytes, x.device, spans_batch, angles.stride_m != 0) if table else None
+        table_tile = (_table_tile(tensor_bytes, x.device, spans_batch, angles.stride_m != 0, sequence_table)
+                      if table else None)
         tile_rows = max(q_rows, k_rows)
     block_r, block_half, block_tail, num_warps = _tile(layout.d, layout.rot_dim, interleaved, x.element_size(),
                                                        tile_rows, table_tile)
@@ -374,7 +395,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     else:
         rows_per_program = _rows_per_program(n_groups, rows, block_r, spans_batch, x.element_size(),
                                              layout.rot_dim == layout.d, table, x.device,
-                                             row_bytes, pos_table)
+                                             row_bytes, pos_table,
+                                             sequence_table and not norm and _large(tensor_bytes, x.device))
     if norm:
         block_tail = max(block_tail, 1)  # the norm's tail is stored in place too: one masked column where none
     chunks = triton.cdiv(rows, rows_per_program)

@@ -464,6 +464,12 @@ def test_table_tile_rule(monkeypatch):
         assert _launch._table_tile(tiny + 1, gpu, True) == (8, 16)
         assert _launch._table_tile(limit, gpu, True) == (8, 16)
         assert _launch._table_tile(limit + 1, gpu, True) == (8, 32)
+        # a table row per token of each sequence (transformers' [b, s, d]): 16-byte accesses, and a program takes a
+        # token's q and k heads, up to 8 tiles (a row of 40: one program; of 72: 64 rows, then 8)
+        assert _launch._table_tile(limit + 1, gpu, False, per_sequence=True) == (8, 16)
+        assert _launch._rows_per_program(1, 40, 8, False, 2, True, True, gpu, sequence_rows=True) == 40
+        assert _launch._rows_per_program(1, 72, 8, False, 2, True, True, gpu, sequence_rows=True) == 64
+        assert _launch._rows_per_program(1, 40, 8, False, 2, True, True, gpu) == 8
     finally:
         _launch._SM_COUNT.clear()
         _launch._SM_COUNT.update(saved)
