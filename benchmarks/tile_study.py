@@ -38,25 +38,27 @@ def set_variant(tiles, bytes_per_thread):
     _memo.clear()
 
 
+def study(b, s, hq, hk, chosen):
+    q, k, cos, sin = inputs(b, s, hq, hk)
+    set_variant(*chosen)
+    want = rope.hf.apply_rotary_pos_emb(q, k, cos, sin)
+    print(f"b {b} s {s} heads {hq}/{hk}: clone {graph_us(lambda: (q.clone(), k.clone())):.2f} µs", flush=True)
+    for tiles, bpt in VARIANTS:
+        set_variant(tiles, bpt)
+        same = all(torch.equal(g, w) for g, w in zip(rope.hf.apply_rotary_pos_emb(q, k, cos, sin), want, strict=True))
+        t = min(graph_us(lambda: rope.hf.apply_rotary_pos_emb(q, k, cos, sin)) for _ in range(3))
+        c = graph_us(lambda: (q.clone(), k.clone()))
+        print(f"  tiles {tiles:2d}, {bpt} B/thread: {t:8.2f} µs, {c / t:.3f} x clone ({c:.2f}), "
+              f"{'bitwise equal' if same else 'DIFFERENT'}", flush=True)
+    set_variant(*chosen)
+    t = min(graph_us(lambda: rope.hf.apply_rotary_pos_emb(q, k, cos, sin, schedule="eager")) for _ in range(3))
+    print(f"  schedule='eager': {t:8.2f} µs", flush=True)
+
+
 def main():
     print(torch.cuda.get_device_name(), torch.__version__, __import__("triton").__version__)
-    chosen = VARIANTS[0]
-    for b, s, hq, hk in CASES:
-        q, k, cos, sin = inputs(b, s, hq, hk)
-        set_variant(*chosen)
-        want = rope.hf.apply_rotary_pos_emb(q, k, cos, sin)
-        print(f"b {b} s {s} heads {hq}/{hk}: clone {graph_us(lambda: (q.clone(), k.clone())):.2f} µs", flush=True)
-        for tiles, bpt in VARIANTS:
-            set_variant(tiles, bpt)
-            fn = lambda: rope.hf.apply_rotary_pos_emb(q, k, cos, sin)  # noqa: E731
-            same = all(torch.equal(g, w) for g, w in zip(fn(), want, strict=True))
-            t = min(graph_us(fn) for _ in range(3))
-            c = graph_us(lambda: (q.clone(), k.clone()))
-            print(f"  tiles {tiles:2d}, {bpt} B/thread: {t:8.2f} µs, {c / t:.3f} x clone ({c:.2f}), "
-                  f"{'bitwise equal' if same else 'DIFFERENT'}", flush=True)
-        set_variant(*chosen)
-        t = min(graph_us(lambda: rope.hf.apply_rotary_pos_emb(q, k, cos, sin, schedule="eager")) for _ in range(3))
-        print(f"  schedule='eager': {t:8.2f} µs", flush=True)
+    for case in CASES:
+        study(*case, VARIANTS[0])
 
 
 if __name__ == "__main__":

@@ -206,10 +206,10 @@ class Plan:
         self.num_warps = num_warps
         self.compiled = None
         # Triton's compile options beyond num_warps (launch_pdl, maxnreg). No plan lets the compiler fuse a product
-        # into a sum: whether it fuses, and which product, varies with the compiled variant (tile, layout), which the
-        # call's shapes choose, so a sequence's result would depend on the rest of the batch (the H200 gave DeepSeek-V3's
-        # float32 gradients another last bit alone than in a batch of three). Without fusion every variant computes
-        # each element by the same float32 operations: the `float32` schedule, bitwise, on every device.
+        # into a sum: whether it fuses, and which product, varies with the compiled variant (tile, layout), which
+        # the call's shapes choose, so a sequence's result would depend on the rest of the batch (the H200 gave
+        # DeepSeek-V3's float32 gradients another last bit alone than in a batch of three). Without fusion every
+        # variant computes each element by the same float32 operations: the `float32` schedule, bitwise, anywhere.
         self.options = dict(enable_fp_fusion=False, **(options or {}))
 
     def arg(self, name: str):
@@ -363,8 +363,9 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     `saved` holds the inputs (q, k) while x and k are the output gradients. `schedule` (a call's forward; None for
     a gradient): None or "float32", float32 math (each product and the sum rounded to float32, as PyTorch's
     operations: no plan fuses a multiply-add, `Plan`), then one rounding to the output; "eager", the PyTorch
-    expression run eagerly in the output dtype (`EAGER`: each operand, product and the sum rounded to it). `backward` is the direction (a call's `inverse` forward runs backward).
-    `permute`: pairs read interleaved and written half-split, the backward the other way round (`PERMUTE`)."""
+    expression run eagerly in the output dtype (`EAGER`: each operand, product and the sum rounded to it).
+    `backward` is the direction (a call's `inverse` forward runs backward). `permute`: pairs read interleaved and
+    written half-split, the backward the other way round (`PERMUTE`)."""
     tensors = (x,) if k is None else (x, k)
     table = angles.table
     # angles differ per batch entry: a group is one (s, b) pair
@@ -378,6 +379,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     # bytes per row of thd programs that search cu_seqlens in several rounds, or read the position table
     row_bytes = x.element_size() * layout.d if tensor_format == "thd" and layout.n_seqs >= _SEARCH_FANOUT else 0
     tensor_bytes = sum(t.numel() for t in tensors) * x.element_size()
+    sequence_rows = sequence_table and not norm and _large(tensor_bytes, x.device)
     if norm:
         # A row's sum of squares (backward: its dot products) is reduced in the order of the tile's layout: a tile
         # fixed by the row's shape alone, not by the call's row count or size, keeps each row's result independent
@@ -395,8 +397,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     else:
         rows_per_program = _rows_per_program(n_groups, rows, block_r, spans_batch, x.element_size(),
                                              layout.rot_dim == layout.d, table, x.device,
-                                             row_bytes, pos_table,
-                                             sequence_table and not norm and _large(tensor_bytes, x.device))
+                                             row_bytes, pos_table, sequence_rows)
     if norm:
         block_tail = max(block_tail, 1)  # the norm's tail is stored in place too: one masked column where none
     chunks = triton.cdiv(rows, rows_per_program)
