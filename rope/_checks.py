@@ -424,6 +424,34 @@ def check_positions_in(positions, rows: int, name: str = "positions", table: str
         _PASSED.put(key, (stamp,))
 
 
+def check_packed_values(cu_seqlens, positions, rows: int, names=("cu_seqlens_q", "cos")) -> None:
+    """Megatron's packed sequences (rope.megatron): `cu_seqlens` starting at 0 and non-decreasing, and `positions`,
+    the table row of each token derived from it, within the table's `rows`. One device-to-host copy, then none while
+    the same tensors are passed again unmodified; skipped where a capture or trace would break (the kernel then writes
+    NaN for a row outside the table). Tokens past the last sequence are allowed: Megatron gives them position 0."""
+    if torch.compiler.is_compiling():  # the memo (a weak reference, a version counter) has no graph
+        return
+    key = (id(cu_seqlens), id(positions), rows, names)
+    seen = _PASSED.get(key)
+    if (seen is not None and _still(seen[0], cu_seqlens) and _still(seen[1], positions)) or \
+            skip_value_checks(cu_seqlens):
+        return
+    cu = cu_seqlens.to(torch.int64)
+    no = torch.zeros((), dtype=torch.bool, device=cu.device)
+    top = positions.max() if positions.numel() else torch.full((), -1, dtype=torch.int64, device=cu.device)
+    flags = [cu[0] != 0, (cu[1:] < cu[:-1]).any() if cu.numel() > 1 else no, top.to(torch.int64)]
+    bad_start, bad_order, max_pos = torch.stack([f.to(torch.int64) for f in flags]).tolist()
+    if bad_start:
+        raise ValueError(f"{names[0]}: must start at 0")
+    if bad_order:
+        raise ValueError(f"{names[0]}: must be non-decreasing")
+    if max_pos >= rows:
+        raise ValueError(f"{names[1]}: too short: positions reach {max_pos} but {names[1]} has {rows} rows")
+    stamps = (_stamp(cu_seqlens), _stamp(positions))
+    if False not in stamps:
+        _PASSED.put(key, stamps)
+
+
 def check_mrope_section(mrope_section, pairs: int, mrope_interleaved, name: str = "mrope_section") -> tuple:
     """Multimodal RoPE's sections (docs/contract.md section 7b) -> the kernel's (MROPE, SEC0, SEC1, SEC2):
     three counts of rotary pairs (temporal, height, width) covering all `pairs`. Interleaved, stream m

@@ -39,14 +39,14 @@ def apply_rotary_pos_emb_single(x, cos, sin, unsqueeze_dim=1, *, schedule=None):
     return _rotate((x,), cos, sin, unsqueeze_dim, schedule=schedule, seen=seen)[0]
 
 
-def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+def apply_rotary_pos_emb_glm(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, schedule=None):
     """transformers' GLM and GLM-4 `apply_rotary_pos_emb`: interleaved pairs (2i, 2i + 1) over the first
     r = cos.shape[-1] channels, pair i rotated by cos[..., i] and sin[..., i], i < r/2: the first half of each
     row (GLM's rotary module builds cat(theta, theta); transformers takes `cos[..., :r/2].repeat_interleave(2)`),
-    the second half unread. Channels r.. pass through (GLM rotates half the head). Dtypes, results and gradients
-    as `apply_rotary_pos_emb`."""
-    seen = check_once("hf.apply_rotary_pos_emb_glm", _check_pair, (q, k, cos, sin), (unsqueeze_dim,))
-    return _rotate((q, k), cos, sin, unsqueeze_dim, interleaved=True, seen=seen)
+    the second half unread. Channels r.. pass through (GLM rotates half the head). Dtypes, results, gradients and
+    `schedule` (GLM's expression: "eager" its operations as its models run them) as `apply_rotary_pos_emb`."""
+    seen = check_once("hf.apply_rotary_pos_emb_glm", _check_pair, (q, k, cos, sin), (unsqueeze_dim, schedule))
+    return _rotate((q, k), cos, sin, unsqueeze_dim, interleaved=True, schedule=schedule, seen=seen)
 
 
 def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):

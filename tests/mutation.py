@@ -123,6 +123,8 @@ SELECTION = {
     "rope/torchtitan.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_meta_bad_input.py tests/conformance/test_native.py "
                           "-k torchtitan",
     "rope/qknorm.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_qknorm.py tests/conformance/test_native.py -k qknorm",
+    "rope/megatron.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_megatron.py tests/rope/test_conventions_bad_input.py "
+                        "tests/conformance/test_native.py -k megatron",
     "rope/serving.py": "ROPE_MAX_EXAMPLES=20 tests/rope/test_serving.py tests/conformance/test_native.py -k cache",
     "rope/_memo.py": "tests/rope/test_memo.py tests/rope/test_angle_table.py",
     "rope/_cuda.py": "tests/rope/test_angle_table.py tests/rope/test_memo.py",

@@ -34,6 +34,8 @@ DISTRIBUTIONS = {
     "vllm": (("vllm",), "pip install vllm (its rotary ops need a CUDA build)"),
     "te": (("transformer-engine", "transformer_engine", "transformer-engine-torch"),
            "pip install --no-build-isolation 'transformer_engine[pytorch]' (needs CUDA)"),
+    "megatron": (("megatron-core", "megatron_core"),
+                 "pip install megatron-core (its fused MLA RoPE is a Triton kernel: it needs a CUDA device)"),
 }
 
 # named implementation -> {convention: (candidate "module:attr" paths, declared capabilities)}
@@ -45,6 +47,7 @@ NAMED = {
         "hf-glm": (("rope.hf:apply_rotary_pos_emb_glm",), {}),
         "hf-deepseek-v3": (("rope.hf:apply_rotary_pos_emb_interleave",), {}),
         "deepseek-v4": (("rope.deepseek:apply_rotary_pos_emb",), {}),
+        "megatron-mla": (("rope.megatron:fused_mla_rope_inplace",), {}),
         "flash": (("rope.flash:apply_rotary_emb",), {}),
         "vllm": (("rope.vllm:rotary_embedding",), {}),
         "hf-mrope": (("rope.hf:apply_multimodal_rotary_pos_emb",), {}),
@@ -68,7 +71,8 @@ NAMED = {
     **{f"rope-{schedule}": {
         conv: ((path,), {"_keywords": {"schedule": schedule}, **({"accuracy": "dtype"} if schedule == "eager" else {})})
         for conv, path in (("hf", "rope.hf:apply_rotary_pos_emb"), ("hf-single", "rope.hf:apply_rotary_pos_emb_single"),
-                           ("vllm", "rope.vllm:rotary_embedding"))} for schedule in ("eager", "float32")},
+                           ("hf-glm", "rope.hf:apply_rotary_pos_emb_glm"), ("vllm", "rope.vllm:rotary_embedding"))}
+        for schedule in ("eager", "float32")},
     # transformers evaluates its expression in the activations' dtype; 5.x has no position_ids parameter
     # Llama's and Gemma's functions rotate the whole head (partial rotary is GPT-NeoX's, Phi's, Qwen3-Next's: run those
     # as hf:transformers.models.qwen3_next.modeling_qwen3_next:apply_rotary_pos_emb)
@@ -84,6 +88,17 @@ NAMED = {
            "hf-deepseek-v3": (("transformers.models.deepseek_v3.modeling_deepseek_v3:apply_rotary_pos_emb_interleave",),
                               {"accuracy": "dtype", "bad_input": False}),
            "deepseek-v4": (("transformers.models.deepseek_v4.modeling_deepseek_v4:apply_rotary_pos_emb",), {})},
+    # Megatron-LM's MLA RoPE: a Triton kernel whose math runs in the promoted dtype of t and the tables (16-bit with
+    # 16-bit tables: the dtype model); it asserts contiguous last dims and views t as [s * b, h, d] (sbhd), reads
+    # position_ids as a dense array, launches a grid of s * b or T programs (none: an invalid launch), and checks with
+    # asserts or not at all (a position past the tables is read out of bounds). Its backward rotates the upstream
+    # gradient in that gradient's memory where it is contiguous (the backward property reports the write). Releases
+    # without inverse, remove_interleaving or position_ids (older signatures) lack those (_absent).
+    "megatron": {"megatron-mla": (("megatron.core.fusions.fused_mla_yarn_rope_apply:fused_mla_rope_inplace",),
+                                  {"accuracy": "dtype", "strides": False, "empty": False, "bad_input": False,
+                                   "_absent": {"inverse": {"inverse": False},
+                                               "remove_interleaving": {"remove_interleaving": False},
+                                               "position_ids": {"position_ids": False}}})},
     # flash-attention's Triton apply_rotary asserts the tables are in x's dtype
     "flash": {"flash": (("flash_attn.layers.rotary:apply_rotary_emb",), {"float32_tables": False})},
     "liger": {"liger": (("liger_kernel.transformers.rope:liger_rotary_pos_emb",), {})},

@@ -205,7 +205,7 @@ def test_declared_off_is_not_drawn(prop):
 # `eager` schedule and fails the `float32` one, the float32-accurate implementation the other way round (16-bit draws
 # tell them apart).
 SCHEDULE_VERDICTS = [(name, schedule, impl, schedule == ("eager" if impl == eager else "float32"))
-                     for name, eager in (("hf", "eager"), ("vllm", "native"))
+                     for name, eager in (("hf", "eager"), ("hf-glm", "eager"), ("vllm", "native"))
                      for schedule in ("eager", "float32") for impl in (eager, "correct")]
 SCHEDULE_VERDICTS.append(("vllm", "eager", "native_sin_uncast", False))  # one operand not in the query's dtype
 

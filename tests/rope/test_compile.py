@@ -235,6 +235,21 @@ def _deepseek_v4():
     return lambda x: rope.deepseek.apply_rotary_pos_emb(x, cos, sin), [_rand(1, 2, 5, 8)]
 
 
+def _megatron(thd):
+    """Megatron's in place form on a projection's output (not a leaf, as its callers pass it): the trailing 8 of 12
+    channels; sbhd by the inverse rotation, thd on rank 1 of 2 with a padding row, written back interleaved."""
+    cos, sin = _tables(9, 8)
+    if thd:
+        cu = torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE)
+        kw, x = dict(cu_seqlens_q=cu, cp_rank=1, cp_size=2, remove_interleaving=True), _rand(5, 2, 12)
+    else:
+        kw, x = dict(inverse=True), _rand(5, 1, 2, 12)
+
+    def f(x):
+        return rope.megatron.fused_mla_rope_inplace(x * 1.0, cos, sin, 4, 8, **kw)
+    return f, [x]
+
+
 def _hf_single():
     cos, sin = _tables(5, 8, lead=(1,))
     return lambda x: rope.hf.apply_rotary_pos_emb_single(x, cos, sin), [_rand(1, 2, 5, 8)]
@@ -373,6 +388,8 @@ CONVENTIONS = {
     "hf-glm": (lambda: _hf_case(rope.hf.apply_rotary_pos_emb_glm), True),
     "hf-deepseek-v3": (lambda: _hf_case(rope.hf.apply_rotary_pos_emb_interleave), True),
     "deepseek-v4": (_deepseek_v4, True),
+    "megatron-mla": (lambda: _megatron(False), True),
+    "megatron-mla-thd": (lambda: _megatron(True), True),
     "hf-mrope": (_hf_mrope, True),
     "mrope": (lambda: _mrope(False), True),
     "mrope-qk": (lambda: _mrope(True), True),

@@ -52,6 +52,21 @@ def deepseek_v4_args(**change):
     return rope.deepseek.apply_rotary_pos_emb, kw
 
 
+def megatron_args(**change):
+    """sbhd: t [s, b, h, nope + emb] with nope 4, emb 8; tables [rows, 1, 1, emb]."""
+    kw = dict(t=_r(5, 2, 3, 12), cos=_r(6, 1, 1, 8), sin=_r(6, 1, 1, 8), nope_dim=4, emb_dim=8)
+    kw.update(change)
+    return rope.megatron.fused_mla_rope_inplace, kw
+
+
+def megatron_thd_args(**change):
+    """thd: two sequences of 4 tokens on rank 1 of 2 (4 local rows) and a padding row; tables [rows, emb]."""
+    kw = dict(t=_r(5, 3, 12), cos=_r(4, 8), sin=_r(4, 8), nope_dim=4, emb_dim=8,
+              cu_seqlens_q=torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE), cp_rank=1, cp_size=2)
+    kw.update(change)
+    return rope.megatron.fused_mla_rope_inplace, kw
+
+
 def flash_args(**change):
     kw = dict(x=_r(2, 5, 3, 8), cos=_r(7, 3), sin=_r(7, 3))
     kw.update(change)
@@ -197,6 +212,36 @@ CASES = [
     ("deepseek v4: sin of another shape", deepseek_v4_args, dict(sin=_r(2, 5, 3)), "sin"),
     ("deepseek v4: 3-D x", deepseek_v4_args, dict(x=_r(3, 5, 12)), "x"),
     ("deepseek v4: unsqueeze_dim 3", deepseek_v4_args, dict(unsqueeze_dim=3), "unsqueeze_dim"),
+    # Megatron-LM
+    ("megatron: head other than nope_dim + emb_dim", megatron_args, dict(nope_dim=5), "t"),
+    ("megatron: emb_dim not a multiple of 4", megatron_args, dict(nope_dim=6, emb_dim=6, cos=_r(6, 1, 1, 6),
+                                                                   sin=_r(6, 1, 1, 6)), "emb_dim"),
+    ("megatron: rotary_interleaved", megatron_args, dict(rotary_interleaved=True), "rotary_interleaved"),
+    ("megatron: inverse not a bool", megatron_args, dict(inverse=1), "inverse"),
+    ("megatron: cp_rank past cp_size", megatron_args, dict(cp_rank=2, cp_size=2), "cp_rank"),
+    ("megatron: cos of another width", megatron_args, dict(cos=_r(6, 1, 1, 4), sin=_r(6, 1, 1, 4)), "cos"),
+    ("megatron: 3-D cos", megatron_args, dict(cos=_r(6, 1, 8), sin=_r(6, 1, 8)), "cos"),
+    ("megatron: sin of another shape", megatron_args, dict(sin=_r(6, 8)), "sin"),
+    ("megatron: cos shorter than s", megatron_args, dict(cos=_r(4, 1, 1, 8), sin=_r(4, 1, 1, 8)), "cos"),
+    ("megatron: position_ids with sbhd", megatron_args, dict(position_ids=torch.arange(5, device=DEVICE)),
+     "position_ids"),
+    ("megatron: t expanded", megatron_args, dict(t=_r(1, 2, 3, 12).expand(5, 2, 3, 12)), "t"),
+    ("megatron: float64 t", megatron_args, dict(t=_r(5, 2, 3, 12, dtype=torch.float64)), "t"),
+    ("megatron: 3-D t without cu_seqlens_q", megatron_args, dict(t=_r(5, 3, 12)), "t"),
+    ("megatron thd: 4-D t", megatron_thd_args, dict(t=_r(5, 1, 3, 12)), "t"),
+    ("megatron thd: cu_seqlens_q not from 0", megatron_thd_args,
+     dict(cu_seqlens_q=torch.tensor([2, 4, 8], device=DEVICE)), "cu_seqlens_q"),
+    ("megatron thd: cu_seqlens_q decreasing", megatron_thd_args,
+     dict(cu_seqlens_q=torch.tensor([0, 8, 4], device=DEVICE)), "cu_seqlens_q"),
+    ("megatron thd: float cu_seqlens_q", megatron_thd_args, dict(cu_seqlens_q=torch.zeros(3, device=DEVICE)),
+     "cu_seqlens_q"),
+    ("megatron thd: positions past the tables", megatron_thd_args, dict(cos=_r(2, 8), sin=_r(2, 8)), "cos"),
+    ("megatron thd: position_ids of another length", megatron_thd_args,
+     dict(position_ids=torch.zeros(4, dtype=torch.int64, device=DEVICE)), "position_ids"),
+    ("megatron thd: a position id past the tables", megatron_thd_args,
+     dict(position_ids=torch.tensor([0, 1, 2, 3, 4], device=DEVICE)), "position_ids"),
+    ("megatron thd: a negative position id", megatron_thd_args,
+     dict(position_ids=torch.tensor([0, 1, -1, 3, 0], device=DEVICE)), "position_ids"),
     # flash-attention
     ("flash: odd rotary width table", flash_args, dict(cos=_r(7, 5), sin=_r(7, 5)), "cos"),
     ("flash: 3-D cos", flash_args, dict(cos=_r(7, 3, 1), sin=_r(7, 3, 1)), "cos"),
@@ -302,8 +347,9 @@ def test_cache_rejects_bad_tables():
     (hf_glm_args, dict(k=None), "k"), (hf_deepseek_args, dict(q=None), "q"), (deepseek_v4_args, dict(x=None), "x"),
     (flash_args, dict(x=None), "x"),
     (vllm_args, dict(query=None), "query"), (vllm_args, dict(key="key"), "key"), (mrope_args, dict(t=None), "t"),
+    (megatron_args, dict(t=None), "t"), (megatron_thd_args, dict(cu_seqlens_q=[0, 4, 8]), "cu_seqlens_q"),
 ], ids=["hf q", "hf k", "hf single x", "hf glm k", "hf deepseek q", "deepseek v4 x", "flash x", "vllm query",
-        "vllm key", "mrope t"])
+        "vllm key", "mrope t", "megatron t", "megatron cu_seqlens_q"])
 def test_a_tensor_argument_that_is_no_tensor_is_a_type_error(args, change, name):
     """docs/contract.md section 5: a tensor argument that is not a tensor raises TypeError, in every convention."""
     fn, kw = args(**change)

@@ -19,7 +19,7 @@ from ..conformance.draws import no_local_constants
 from ..conformance.registry import resolve
 from .cases import DEVICE
 
-CONVENTIONS = ("hf", "hf-single", "vllm")
+CONVENTIONS = ("hf", "hf-single", "hf-glm", "vllm")
 SCHEDULES = ("eager", "float32")
 # (registry target, the schedule it is held to): each named schedule, and the default held to float32's
 TARGETS = (("rope-eager", "eager"), ("rope-float32", "float32"), ("rope", "float32"))

@@ -42,6 +42,36 @@ def second_half_unread(conv, fn, caps, plan):
 
 
 HFGLM.INVARIANTS = {**INVARIANTS, "second_half_unread": second_half_unread}
-HFGLM.SCHEDULES = {}  # GLM's interleaved expression has no schedule here yet
+def _rotate_half_interleaved(x):
+    """GLM's rotate_half: pairs (x[2i], x[2i + 1]) as (-x[2i + 1], x[2i])."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def _expression(x, cos, sin, math):
+    """GLM's `apply_rotary_pos_emb` on one tensor (cos/sin unsqueezed): with `math` None in the input dtypes, each
+    operation rounded to torch's promotion of its operands (as eager PyTorch runs it); else in `math`, rounded once
+    to the promotion of x's and cos's dtypes."""
+    cos, sin = (t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+    r = cos.shape[-1]
+    out = torch.promote_types(x.dtype, cos.dtype)
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    if math is not None:
+        x_rot, cos, sin = x_rot.to(math), cos.to(math), sin.to(math)
+    embed = (x_rot * cos) + (_rotate_half_interleaved(x_rot) * sin)
+    return torch.cat([embed.to(out), x_pass.to(out)], dim=-1)
+
+
+def _schedule(math):
+    def schedule(case):
+        p = case.plan
+        cos, sin = case.args["cos"].unsqueeze(p.unsqueeze_dim), case.args["sin"].unsqueeze(p.unsqueeze_dim)
+        with torch.no_grad():
+            return {n: _expression(case.args[n], cos, sin, math) for n in rotated(case)}
+    return schedule
+
+
+# --rope-schedule: `eager`, GLM's expression as transformers' models run it; `float32`, float32 math (each product
+# and the sum rounded to float32 in turn) and one rounding
+HFGLM.SCHEDULES = {"eager": _schedule(None), "float32": _schedule(torch.float32)}
 
 CONVENTION = HFGLM()

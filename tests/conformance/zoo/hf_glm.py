@@ -34,6 +34,20 @@ def correct(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return rotate(q, k, first_half(cos, unsqueeze_dim), first_half(sin, unsqueeze_dim))
 
 
+def eager(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """GLM's expression as transformers' models run it eagerly, each operation rounded to torch's promotion of its
+    operands' dtypes (not a planted bug: the schedule `eager`, within the `dtype` accuracy model)."""
+    cos, sin = first_half(cos, unsqueeze_dim), first_half(sin, unsqueeze_dim)
+    out = []
+    for x in (q, k):
+        r = cos.shape[-1]
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        partner = torch.stack((-x_rot[..., 1::2], x_rot[..., ::2]), dim=-1).flatten(-2)
+        embed = x_rot * cos + partner * sin
+        out.append(torch.cat([embed, x_pass.to(embed.dtype)], dim=-1))
+    return tuple(out)
+
+
 def half_split_pairs(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Llama's rotate_half (pairs (i, i + r/2)) on GLM's interleaved tables."""
     return rotate(q, k, first_half(cos, unsqueeze_dim), first_half(sin, unsqueeze_dim), interleaved=False)
