@@ -21,14 +21,14 @@ from ._launch import table_angles
 def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):
     """x's trailing 2 * cos.shape[-1] channels rotated as interleaved pairs by half-width tables; see the module."""
     seen = check_once("deepseek.apply_rotary_pos_emb", _check, (x, cos, sin), (unsqueeze_dim,))
-    rot = 2 * cos.shape[-1]
-    nope = x.shape[-1] - rot
-    view = x.transpose(1, 2) if unsqueeze_dim == 1 else x  # [b, s, h, D]: the kernel's bshd roles
-    (rotated,) = dispatch(V4, (view[..., nope:],), (cos, sin), (), seen=seen)
-    if unsqueeze_dim == 1:
-        rotated = rotated.transpose(1, 2)
-    # transformers' result: a new tensor of x's shape, the pass-through channels copied
-    return torch.cat([x[..., :nope], rotated], dim=-1)
+    nope = x.shape[-1] - 2 * cos.shape[-1]
+    # transformers' result is a new contiguous tensor of x's shape: one copy of x (at copy speed), whose rope slice
+    # is then rotated in place. The slice rotated into a tensor of its own and concatenated with the pass-through
+    # channels took 3.7 times a copy of x on the H200 (docs/design.md, "DeepSeek-V4").
+    out = x.clone(memory_format=torch.contiguous_format)
+    view = out.transpose(1, 2) if unsqueeze_dim == 1 else out  # [b, s, h, D]: the kernel's bshd roles
+    dispatch(V4, (view[..., nope:],), (cos, sin), (), inplace=True, seen=seen)
+    return out
 
 
 def _check(x, cos, sin, unsqueeze_dim) -> None:

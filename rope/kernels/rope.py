@@ -83,8 +83,8 @@ def rope_qk_kernel(
     positions_strides is (s, b, stream). The angles' strides are scalars: `stride_fb` must not be specialized
     (QK_COUNTS), and Triton's do_not_specialize takes whole parameters. PERMUTE (DeepSeek-V3's form, half-split
     angles): 1 reads the pairs interleaved (2i, 2i + 1) and writes them half-split (i, i + d2/2); 2, its backward,
-    the other way round; 0 reads and writes the pairs INTERLEAVED says. Not in place (the form returns new
-    tensors)."""
+    the other way round; 0 reads and writes the pairs INTERLEAVED says. In place too (Megatron-LM's MLA form): a
+    tile's pairs are all loaded before any is stored (`_store_pairs`' barrier)."""
     if PDL:  # launched as a programmatic dependent of the kernel before it: wait for that kernel's writes first
         tl.extra.cuda.gdc_wait()
     stride_qs, stride_qb, stride_qh, stride_qd = q_strides
