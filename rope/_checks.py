@@ -748,6 +748,44 @@ def check_scale(name: str, scale, x):
     return scale.reshape(1)
 
 
+def check_output(name: str, out, shape: tuple, x, x_name: str) -> None:
+    """A buffer the caller gives for a result: a tensor of the result's shape, in x's dtype and on x's device."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"{name}: expected the dtype of {x_name} ({x.dtype}), got {out.dtype}")
+    if out.device != x.device:
+        raise ValueError(f"{name}: expected the device of {x_name} ({x.device}), got {out.device}")
+
+
+def check_own_memory(name: str, out: torch.Tensor, others: dict) -> None:
+    """A result buffer the call writes element by element: outside autograd's graph (a buffer that requires grad
+    would be a leaf written in place), its elements stored once, and no memory shared with `others` ({name: tensor},
+    read or written beside it), which would be read after being overwritten. Spans are compared, so disjoint views
+    of one buffer whose spans interleave are refused too."""
+    if out.requires_grad:
+        raise ValueError(f"{name}: must not require grad (a buffer the call writes its result into)")
+    if torch.compiler.is_compiling():  # traced: storage addresses have no graph
+        return
+    if torch._debug_has_internal_overlap(out) == 1:
+        raise ValueError(f"{name}: its elements overlap in memory (an expanded or stride-0 view, strides "
+                         f"{tuple(out.stride())}): it cannot hold a result")
+    for other_name, other in others.items():
+        if other is None or not out.numel() or not other.numel() or \
+                out.untyped_storage().data_ptr() != other.untyped_storage().data_ptr():
+            continue
+        (lo, hi), (olo, ohi) = _byte_span(out), _byte_span(other)
+        if lo <= ohi and olo <= hi:
+            raise ValueError(f"{name}: shares memory with {other_name}; pass a buffer of its own")
+
+
+def _byte_span(x: torch.Tensor) -> tuple:
+    lo, hi = _span(x)
+    return lo * x.element_size(), (hi + 1) * x.element_size() - 1
+
+
 def check_no_grad(**tensors) -> None:
     """The op writes in place and has no backward."""
     if torch.is_grad_enabled():

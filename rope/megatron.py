@@ -1,5 +1,5 @@
-"""Megatron-LM's MLA training RoPE: `fused_mla_rope_inplace` as `megatron.core.fusions.fused_mla_yarn_rope_apply`
-defines it (docs/contract.md section 7h).
+"""Megatron-LM's MLA training RoPE: `fused_mla_rope_inplace` and `fused_mla_rope_kv_split` as
+`megatron.core.fusions.fused_mla_yarn_rope_apply` defines them (docs/contract.md sections 7h and 7i).
 
 t: [s, b, h, nope_dim + emb_dim] (sbhd: cu_seqlens_q None) or [T, h, nope_dim + emb_dim] (thd: packed sequences,
 cu_seqlens_q [n + 1]); cos, sin: [rows, 1, 1, emb_dim] or [rows, emb_dim], one column per rotated channel (Megatron's
@@ -15,6 +15,10 @@ sliced for their rank); thd with position_ids [T], position_ids[j]; thd without,
 local length L (local bounds cu_seqlens_q // cp_size), mapped for cp_size > 1 by the dual-chunk (zigzag) layout,
 j + (cp_rank L) // 2 for j < L // 2, else j - L // 2 + ((2 cp_size - cp_rank - 1) L) // 2; a row past the last
 sequence (CUDA-graph padding) reads p = 0.
+
+The KV split takes kv [..., h, k_dim + v_dim] and the one rope head k_pos_emb [..., 1, emb_dim] every head shares: it
+rotates k_pos_emb by that map (no position_ids, no inverse) into a new tensor and assembles key = [kv's k_dim | rope]
+on every head and value = kv's v_dim, as PyTorch copies around the one rotation.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ from ._checks import (
     check_float_tensor,
     check_index_tensor,
     check_inplace,
+    check_output,
+    check_own_memory,
     check_packed_values,
     check_positions_in,
     check_tables,
@@ -66,8 +72,7 @@ def fused_mla_rope_inplace(t, cos, sin, nope_dim, emb_dim, cu_seqlens_q=None, cp
         check_positions_in(position_ids, rows, "position_ids", "cos")
         positions, fmt = position_ids, "thd"
     else:
-        positions, fmt = sequence_positions(cu_seqlens_q, t.shape[0], cp_size, cp_rank), "thd"
-        check_packed_values(cu_seqlens_q, positions, rows)
+        positions, fmt = _packed_positions("cu_seqlens_q", cu_seqlens_q, t.shape[0], cp_size, cp_rank, cos), "thd"
     return _rotate(t, nope_dim, (cos, sin, positions), (fmt, remove_interleaving, inverse, False), seen)
 
 
@@ -75,20 +80,9 @@ def _check(t, cos, sin, cu_seqlens_q, position_ids, nope_dim, emb_dim, cp_rank, 
            remove_interleaving) -> None:
     """The static checks (`check_once`: once per signature), each naming the argument at fault."""
     check_float_tensor("t", t)
-    for name, value in (("nope_dim", nope_dim), ("emb_dim", emb_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-    if emb_dim == 0 or emb_dim % 4:
-        raise ValueError(f"emb_dim: expected a positive multiple of 4 (Megatron's kernel asserts emb_dim % 4 == 0), "
-                         f"got {emb_dim}")
-    check_bools(rotary_interleaved=rotary_interleaved, inverse=inverse, remove_interleaving=remove_interleaving)
-    if rotary_interleaved:
-        raise ValueError("rotary_interleaved: only False is supported (Megatron's kernel asserts it; its pairs are "
-                         "always read interleaved, see remove_interleaving)")
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank: expected an int in [0, cp_size={cp_size}), got {cp_rank!r}")
+    _check_widths(nope_dim=nope_dim, emb_dim=emb_dim)
+    _check_flags(emb_dim, cp_rank, cp_size, rotary_interleaved, inverse=inverse,
+                 remove_interleaving=remove_interleaving)
     thd = cu_seqlens_q is not None
     if t.dim() != (3 if thd else 4):
         shape = "[T, h, nope_dim + emb_dim] (with cu_seqlens_q)" if thd else \
@@ -97,21 +91,140 @@ def _check(t, cos, sin, cu_seqlens_q, position_ids, nope_dim, emb_dim, cp_rank, 
     if t.shape[-1] != nope_dim + emb_dim:
         raise ValueError(f"t: expected a head of nope_dim + emb_dim = {nope_dim + emb_dim} channels, got "
                          f"{t.shape[-1]}")
-    check_tables(cos, sin, t, "t")
-    if cos.dim() not in (2, 4) or cos.shape[-1] != emb_dim or (cos.dim() == 4 and cos.shape[1:3] != (1, 1)):
-        raise ValueError(f"cos: expected shape [rows, 1, 1, emb_dim] or [rows, emb_dim] with emb_dim = {emb_dim}, "
-                         f"got {tuple(cos.shape)}")
+    _check_tables(cos, sin, t, "t", emb_dim)
     if not thd:
         if position_ids is not None:
             raise ValueError("position_ids: only valid with cu_seqlens_q (thd); an sbhd token's row is its s index")
-        if t.shape[0] > cos.shape[0]:
-            raise ValueError(f"cos: too short: positions reach {t.shape[0] - 1} but cos has {cos.shape[0]} rows")
+        _check_rows(t.shape[0], cos)
         return
-    check_index_tensor("cu_seqlens_q", cu_seqlens_q, t)
-    if cu_seqlens_q.shape[0] < 1:
-        raise ValueError("cu_seqlens_q: expected shape [n + 1] with n >= 0, got an empty tensor")
+    _check_packed("cu_seqlens_q", cu_seqlens_q, t, "t")
     if position_ids is not None:
         check_token_positions(position_ids, t.shape[0], t, "t", "position_ids")
+
+
+def fused_mla_rope_kv_split(kv, k_pos_emb, cos, sin, emb_dim, k_dim, v_dim, cu_seqlens_kv=None, cp_rank=0, cp_size=1,
+                            rotary_interleaved=False, remove_interleaving=False, out_key=None, out_value=None):
+    """Megatron-LM's `fused_mla_rope_kv_split`: MLA's key and value from the up-projection's kv [..., h, k_dim + v_dim]
+    and the one k_pos_emb head [..., 1, emb_dim] all heads share. Returns (key, value): key [..., h, k_dim + emb_dim],
+    each head kv's leading k_dim channels then k_pos_emb rotated as `fused_mla_rope_inplace` rotates its trailing
+    channels (read interleaved, written half-split, or interleaved with remove_interleaving; the token's row as
+    there, without position_ids); value [..., h, v_dim], kv's trailing v_dim channels. New contiguous tensors in
+    kv's dtype, or, with out_key and out_value (both or neither), written into them and those returned. The copies
+    are bitwise; the rotation is float32 math with one rounding, in kv's dtype (k_pos_emb may have another).
+
+    k_pos_emb is rotated once and broadcast over the heads: its gradient is the sum over the heads of their rope
+    channels' upstream gradients (rounded once to kv's dtype, as Megatron's kernel rounds its float32 sum), taken
+    through the rotation's transpose; kv's gradient is the upstream gradients of key's leading channels and of value
+    side by side, bitwise. cos and sin get none.
+
+    As Megatron's: rotary_interleaved must be False, emb_dim a multiple of 4, kv's head k_dim + v_dim wide, the out
+    buffers of the result's shape and kv's dtype and not requiring grad. Beyond it: any strides of every tensor (out
+    buffers included), k_dim, v_dim and emb_dim / 2 need not be powers of two, empty tensors, and every row checked
+    against the tables' rows (Megatron reads out of bounds)."""
+    seen = check_once("megatron.fused_mla_rope_kv_split", _check_kv,
+                      (kv, k_pos_emb, cos, sin, cu_seqlens_kv, out_key, out_value),
+                      (emb_dim, k_dim, v_dim, cp_rank, cp_size, rotary_interleaved, remove_interleaving))
+    if out_key is not None:  # autograd's state and memory: on every call
+        check_own_memory("out_key", out_key, {"kv": kv, "k_pos_emb": k_pos_emb})
+        check_own_memory("out_value", out_value, {"kv": kv, "k_pos_emb": k_pos_emb, "out_key": out_key})
+    if cu_seqlens_kv is None:
+        positions, fmt = None, "sbhd"
+    else:
+        positions, fmt = _packed_positions("cu_seqlens_kv", cu_seqlens_kv, kv.shape[0], cp_size, cp_rank, cos), "thd"
+    # the rotation in the wider of the two dtypes (float32 for two 16-bit ones), so that the one rounding is to kv's
+    pe = k_pos_emb.to(torch.promote_types(k_pos_emb.dtype, kv.dtype))
+    (rope,) = dispatch(MLA, (pe,), (cos, sin, positions), (fmt, remove_interleaving, False, False), seen=seen)
+    # broadcast over the heads: autograd's backward of the expand is the sum over them
+    rope = rope.to(kv.dtype).expand(*kv.shape[:-1], emb_dim)
+    nope, value = kv[..., :k_dim], kv[..., k_dim:]
+    if out_key is None:
+        return torch.cat((nope, rope), -1).contiguous(), value.clone(memory_format=torch.contiguous_format)
+    out_key[..., :k_dim].copy_(nope)
+    out_key[..., k_dim:].copy_(rope)
+    return out_key, out_value.copy_(value)
+
+
+def _check_kv(kv, k_pos_emb, cos, sin, cu_seqlens_kv, out_key, out_value, emb_dim, k_dim, v_dim, cp_rank, cp_size,
+              rotary_interleaved, remove_interleaving) -> None:
+    """The KV split's static checks (`check_once`), each naming the argument at fault."""
+    check_float_tensor("kv", kv)
+    check_float_tensor("k_pos_emb", k_pos_emb)
+    _check_widths(emb_dim=emb_dim, k_dim=k_dim, v_dim=v_dim)
+    _check_flags(emb_dim, cp_rank, cp_size, rotary_interleaved, remove_interleaving=remove_interleaving)
+    thd = cu_seqlens_kv is not None
+    if kv.dim() != (3 if thd else 4):
+        shape = "[T, h, k_dim + v_dim] (with cu_seqlens_kv)" if thd else "[s, b, h, k_dim + v_dim] (without " \
+                                                                         "cu_seqlens_kv)"
+        raise ValueError(f"kv: expected {shape}, got shape {tuple(kv.shape)}")
+    if kv.shape[-1] != k_dim + v_dim:
+        raise ValueError(f"kv: expected a head of k_dim + v_dim = {k_dim + v_dim} channels, got {kv.shape[-1]}")
+    if k_pos_emb.device != kv.device:
+        raise ValueError(f"k_pos_emb: expected the device of kv ({kv.device}), got {k_pos_emb.device}")
+    pe_shape = (*kv.shape[:-2], 1, emb_dim)
+    if tuple(k_pos_emb.shape) != pe_shape:
+        raise ValueError(f"k_pos_emb: expected shape {pe_shape} (kv's tokens, one head of emb_dim channels shared by "
+                         f"kv's heads), got {tuple(k_pos_emb.shape)}")
+    _check_tables(cos, sin, kv, "kv", emb_dim)
+    if thd:
+        _check_packed("cu_seqlens_kv", cu_seqlens_kv, kv, "kv")
+    else:
+        _check_rows(kv.shape[0], cos)
+    if (out_key is None) != (out_value is None):
+        given, missing = ("out_key", "out_value") if out_value is None else ("out_value", "out_key")
+        raise ValueError(f"{missing}: expected a buffer with {given} (both or neither, as Megatron's), got None")
+    if out_key is not None:
+        check_output("out_key", out_key, (*kv.shape[:-1], k_dim + emb_dim), kv, "kv")
+        check_output("out_value", out_value, (*kv.shape[:-1], v_dim), kv, "kv")
+
+
+def _packed_positions(name, cu_seqlens, n_tokens, cp_size, cp_rank, cos) -> torch.Tensor:
+    """thd: each token's row from cu_seqlens (`sequence_positions`), its values checked against the tables."""
+    positions = sequence_positions(cu_seqlens, n_tokens, cp_size, cp_rank)
+    check_packed_values(cu_seqlens, positions, cos.shape[0], (name, "cos"))
+    return positions
+
+
+# The checks both front ends make alike.
+
+def _check_widths(**widths) -> None:
+    for name, value in widths.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+
+
+def _check_flags(emb_dim, cp_rank, cp_size, rotary_interleaved, **flags) -> None:
+    """emb_dim a positive multiple of 4, the flags bools, rotary_interleaved False (Megatron asserts both), and the
+    context-parallel rank within its size."""
+    if emb_dim == 0 or emb_dim % 4:
+        raise ValueError(f"emb_dim: expected a positive multiple of 4 (Megatron's kernel asserts emb_dim % 4 == 0), "
+                         f"got {emb_dim}")
+    check_bools(rotary_interleaved=rotary_interleaved, **flags)
+    if rotary_interleaved:
+        raise ValueError("rotary_interleaved: only False is supported (Megatron's kernel asserts it; its pairs are "
+                         "always read interleaved, see remove_interleaving)")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank: expected an int in [0, cp_size={cp_size}), got {cp_rank!r}")
+
+
+def _check_tables(cos, sin, x, x_name: str, emb_dim: int) -> None:
+    check_tables(cos, sin, x, x_name)
+    if cos.dim() not in (2, 4) or cos.shape[-1] != emb_dim or (cos.dim() == 4 and cos.shape[1:3] != (1, 1)):
+        raise ValueError(f"cos: expected shape [rows, 1, 1, emb_dim] or [rows, emb_dim] with emb_dim = {emb_dim}, "
+                         f"got {tuple(cos.shape)}")
+
+
+def _check_rows(s: int, cos) -> None:
+    """sbhd: the tables hold a row for every s index."""
+    if s > cos.shape[0]:
+        raise ValueError(f"cos: too short: positions reach {s - 1} but cos has {cos.shape[0]} rows")
+
+
+def _check_packed(name: str, cu_seqlens, x, x_name: str) -> None:
+    check_index_tensor(name, cu_seqlens, x, x_name)
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError(f"{name}: expected shape [n + 1] with n >= 0, got an empty tensor")
 
 
 def sequence_positions(cu_seqlens, n_tokens: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -247,4 +360,4 @@ def _reference(ts, reads, flags, backward) -> tuple:
 
 MLA = convention("megatron-mla", _call, _reads, _reference)
 
-__all__ = ["fused_mla_rope_inplace"]
+__all__ = ["fused_mla_rope_inplace", "fused_mla_rope_kv_split"]

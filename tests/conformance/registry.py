@@ -48,6 +48,7 @@ NAMED = {
         "hf-deepseek-v3": (("rope.hf:apply_rotary_pos_emb_interleave",), {}),
         "deepseek-v4": (("rope.deepseek:apply_rotary_pos_emb",), {}),
         "megatron-mla": (("rope.megatron:fused_mla_rope_inplace",), {}),
+        "megatron-mla-kv": (("rope.megatron:fused_mla_rope_kv_split",), {}),
         "flash": (("rope.flash:apply_rotary_emb",), {}),
         "vllm": (("rope.vllm:rotary_embedding",), {}),
         "hf-mrope": (("rope.hf:apply_multimodal_rotary_pos_emb",), {}),
@@ -98,7 +99,17 @@ NAMED = {
                                   {"accuracy": "dtype", "strides": False, "empty": False, "bad_input": False,
                                    "_absent": {"inverse": {"inverse": False},
                                                "remove_interleaving": {"remove_interleaving": False},
-                                               "position_ids": {"position_ids": False}}})},
+                                               "position_ids": {"position_ids": False}}}),
+                 # its KV split: the same kernel conventions, tl.arange over k_dim, v_dim and emb_dim / 2 (powers of
+                 # two), contiguous tables (asserted), kv and k_pos_emb viewed flat in sbhd; releases before
+                 # remove_interleaving and the out buffers lack those, and the oldest name it
+                 # fused_apply_mla_rope_for_kv (_absent)
+                 "megatron-mla-kv": (("megatron.core.fusions.fused_mla_yarn_rope_apply:fused_mla_rope_kv_split",
+                                      "megatron.core.fusions.fused_mla_yarn_rope_apply:fused_apply_mla_rope_for_kv"),
+                                     {"accuracy": "dtype", "strides": False, "empty": False, "bad_input": False,
+                                      "odd_widths": False,
+                                      "_absent": {"remove_interleaving": {"remove_interleaving": False},
+                                                  "out_key": {"out_key": False, "out_value": False}}})},
     # flash-attention's Triton apply_rotary asserts the tables are in x's dtype
     "flash": {"flash": (("flash_attn.layers.rotary:apply_rotary_emb",), {"float32_tables": False})},
     "liger": {"liger": (("liger_kernel.transformers.rope:liger_rotary_pos_emb",), {})},

@@ -250,6 +250,25 @@ def _megatron(thd):
     return f, [x]
 
 
+def _megatron_kv(thd, out=False):
+    """Megatron's KV split on an up-projection's output (2 heads of 4 nope + 6 value channels) and the shared rope head
+    of 8 channels, neither a leaf: sbhd; thd on rank 1 of 2 with a padding row, written back interleaved; `out`, into
+    buffers the caller allocates (forward only: they take no gradient)."""
+    cos, sin = _tables(9, 8)
+    if thd:
+        cu = torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE)
+        kw, kv, pe = dict(cu_seqlens_kv=cu, cp_rank=1, cp_size=2, remove_interleaving=True), _rand(5, 2, 10), \
+            _rand(5, 1, 8, seed=1)
+    else:
+        kw, kv, pe = {}, _rand(5, 1, 2, 10), _rand(5, 1, 1, 8, seed=1)
+
+    def f(kv, pe):
+        if out:
+            kw.update(out_key=kv.new_empty((*kv.shape[:-1], 12)), out_value=kv.new_empty((*kv.shape[:-1], 6)))
+        return rope.megatron.fused_mla_rope_kv_split(kv * 1.0, pe * 1.0, cos, sin, 8, 4, 6, **kw)
+    return f, [kv, pe]
+
+
 def _hf_single():
     cos, sin = _tables(5, 8, lead=(1,))
     return lambda x: rope.hf.apply_rotary_pos_emb_single(x, cos, sin), [_rand(1, 2, 5, 8)]
@@ -390,6 +409,9 @@ CONVENTIONS = {
     "deepseek-v4": (_deepseek_v4, True),
     "megatron-mla": (lambda: _megatron(False), True),
     "megatron-mla-thd": (lambda: _megatron(True), True),
+    "megatron-mla-kv": (lambda: _megatron_kv(False), True),
+    "megatron-mla-kv-thd": (lambda: _megatron_kv(True), True),
+    "megatron-mla-kv-out": (lambda: _megatron_kv(False, out=True), False),
     "hf-mrope": (_hf_mrope, True),
     "mrope": (lambda: _mrope(False), True),
     "mrope-qk": (lambda: _mrope(True), True),

@@ -67,6 +67,28 @@ def megatron_thd_args(**change):
     return rope.megatron.fused_mla_rope_inplace, kw
 
 
+def megatron_kv_args(**change):
+    """sbhd: kv [s, b, h, k + v] with k 4, v 6, k_pos_emb [s, b, 1, emb] with emb 8; tables [rows, 1, 1, emb]."""
+    kw = dict(kv=_r(5, 2, 3, 10), k_pos_emb=_r(5, 2, 1, 8), cos=_r(6, 1, 1, 8), sin=_r(6, 1, 1, 8), emb_dim=8,
+              k_dim=4, v_dim=6)
+    kw.update(change)
+    return rope.megatron.fused_mla_rope_kv_split, kw
+
+
+def megatron_kv_thd_args(**change):
+    """thd: two sequences of 4 tokens on rank 1 of 2 (4 local rows) and a padding row, written into buffers."""
+    kw = dict(kv=_r(5, 3, 10), k_pos_emb=_r(5, 1, 8), cos=_r(4, 8), sin=_r(4, 8), emb_dim=8, k_dim=4, v_dim=6,
+              cu_seqlens_kv=torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE), cp_rank=1, cp_size=2,
+              out_key=_r(5, 3, 12), out_value=_r(5, 3, 6))
+    kw.update(change)
+    return rope.megatron.fused_mla_rope_kv_split, kw
+
+
+def _kv_and_its_value_view():
+    kv = _r(5, 3, 10)
+    return dict(kv=kv, out_value=kv[..., 4:])
+
+
 def flash_args(**change):
     kw = dict(x=_r(2, 5, 3, 8), cos=_r(7, 3), sin=_r(7, 3))
     kw.update(change)
@@ -242,6 +264,31 @@ CASES = [
      dict(position_ids=torch.tensor([0, 1, 2, 3, 4], device=DEVICE)), "position_ids"),
     ("megatron thd: a negative position id", megatron_thd_args,
      dict(position_ids=torch.tensor([0, 1, -1, 3, 0], device=DEVICE)), "position_ids"),
+    ("megatron kv: head other than k_dim + v_dim", megatron_kv_args, dict(k_dim=5), "kv"),
+    ("megatron kv: k_pos_emb with a head per kv head", megatron_kv_args, dict(k_pos_emb=_r(5, 2, 3, 8)),
+     "k_pos_emb"),
+    ("megatron kv: k_pos_emb of other tokens", megatron_kv_args, dict(k_pos_emb=_r(4, 2, 1, 8)), "k_pos_emb"),
+    ("megatron kv: float64 k_pos_emb", megatron_kv_args, dict(k_pos_emb=_r(5, 2, 1, 8, dtype=torch.float64)),
+     "k_pos_emb"),
+    ("megatron kv: emb_dim not a multiple of 4", megatron_kv_args, dict(emb_dim=6, k_pos_emb=_r(5, 2, 1, 6),
+                                                                        cos=_r(6, 1, 1, 6), sin=_r(6, 1, 1, 6)),
+     "emb_dim"),
+    ("megatron kv: rotary_interleaved", megatron_kv_args, dict(rotary_interleaved=True), "rotary_interleaved"),
+    ("megatron kv: remove_interleaving not a bool", megatron_kv_args, dict(remove_interleaving=1),
+     "remove_interleaving"),
+    ("megatron kv: cos of another width", megatron_kv_args, dict(cos=_r(6, 1, 1, 4), sin=_r(6, 1, 1, 4)), "cos"),
+    ("megatron kv: cos shorter than s", megatron_kv_args, dict(cos=_r(4, 1, 1, 8), sin=_r(4, 1, 1, 8)), "cos"),
+    ("megatron kv: 3-D kv without cu_seqlens_kv", megatron_kv_args, dict(kv=_r(5, 3, 10)), "kv"),
+    ("megatron kv: out_key without out_value", megatron_kv_args, dict(out_key=_r(5, 2, 3, 12)), "out_value"),
+    ("megatron kv thd: out_value of another shape", megatron_kv_thd_args, dict(out_value=_r(5, 3, 7)), "out_value"),
+    ("megatron kv thd: out_key of another dtype", megatron_kv_thd_args,
+     dict(out_key=_r(5, 3, 12, dtype=torch.bfloat16)), "out_key"),
+    ("megatron kv thd: out_key that requires grad", megatron_kv_thd_args,
+     dict(out_key=_r(5, 3, 12).requires_grad_()), "out_key"),
+    ("megatron kv thd: out_value over kv's memory", megatron_kv_thd_args, _kv_and_its_value_view(), "out_value"),
+    ("megatron kv thd: cu_seqlens_kv decreasing", megatron_kv_thd_args,
+     dict(cu_seqlens_kv=torch.tensor([0, 8, 4], device=DEVICE)), "cu_seqlens_kv"),
+    ("megatron kv thd: positions past the tables", megatron_kv_thd_args, dict(cos=_r(2, 8), sin=_r(2, 8)), "cos"),
     # flash-attention
     ("flash: odd rotary width table", flash_args, dict(cos=_r(7, 5), sin=_r(7, 5)), "cos"),
     ("flash: 3-D cos", flash_args, dict(cos=_r(7, 3, 1), sin=_r(7, 3, 1)), "cos"),
@@ -348,8 +395,10 @@ def test_cache_rejects_bad_tables():
     (flash_args, dict(x=None), "x"),
     (vllm_args, dict(query=None), "query"), (vllm_args, dict(key="key"), "key"), (mrope_args, dict(t=None), "t"),
     (megatron_args, dict(t=None), "t"), (megatron_thd_args, dict(cu_seqlens_q=[0, 4, 8]), "cu_seqlens_q"),
+    (megatron_kv_args, dict(k_pos_emb=None), "k_pos_emb"), (megatron_kv_thd_args, dict(out_value=[0.0]), "out_value"),
 ], ids=["hf q", "hf k", "hf single x", "hf glm k", "hf deepseek q", "deepseek v4 x", "flash x", "vllm query",
-        "vllm key", "mrope t", "megatron t", "megatron cu_seqlens_q"])
+        "vllm key", "mrope t", "megatron t", "megatron cu_seqlens_q", "megatron kv k_pos_emb",
+        "megatron kv out_value"])
 def test_a_tensor_argument_that_is_no_tensor_is_a_type_error(args, change, name):
     """docs/contract.md section 5: a tensor argument that is not a tensor raises TypeError, in every convention."""
     fn, kw = args(**change)

@@ -1,8 +1,9 @@
-"""Megatron-LM's `fused_mla_rope_inplace` (rope.megatron, docs/contract.md 7h) where the conformance suite's properties
-do not reach: the forms autograd takes (a leaf written and a new tensor over its memory returned; a tensor in the
-graph whose own history then holds the rotation; a view autograd will not rebase, written as Megatron's Function
-writes it), and the position and table copies kept per tensor, read again after that tensor is written in place.
-Against a float64 oracle, on the kernel path and on the CPU reference path."""
+"""Megatron-LM's `fused_mla_rope_inplace` and `fused_mla_rope_kv_split` (rope.megatron, docs/contract.md 7h and 7i)
+where the conformance suite's properties do not reach: the forms autograd takes (a leaf written and a new tensor over
+its memory returned; a tensor in the graph whose own history then holds the rotation; a view autograd will not rebase,
+written as Megatron's Function writes it; the KV split's out buffers in the graph, refused once they are), and the
+position and table copies kept per tensor, read again after that tensor is written in place. Against a float64
+oracle, on the kernel path and on the CPU reference path."""
 from __future__ import annotations
 
 import pytest
@@ -154,3 +155,61 @@ def test_value_checks_follow_writes_in_place():
     with pytest.raises(ValueError, match="^cu_seqlens_q: must start at 0"):
         fused(t, cos, sin, NOPE, EMB, cu)
     assert torch.equal(t, before)
+
+
+kv_split = rope.megatron.fused_mla_rope_kv_split
+K, V = 4, 6
+
+
+def want_kv(kv, pe, cos, sin, rows):
+    """float64 (key, value): k_pos_emb's pairs (2i, 2i + 1) rotated by columns i and i + EMB/2 of the rows' tables,
+    written half-split, after every head's leading K channels of kv; value kv's trailing V channels."""
+    c, s = cos.double()[rows], sin.double()[rows]
+    c, s = (v[:, None, None] if kv.dim() == 4 else v[:, None] for v in (c, s))
+    rope_ = oracle(_deinterleave(pe.detach().double()), c, s, False).expand(*kv.shape[:-1], EMB)
+    kv = kv.detach().double()
+    return torch.cat([kv[..., :K], rope_], -1), kv[..., K:]
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["kernel", "reference"])
+def test_kv_split_into_buffers_in_the_graph(reference):
+    """The out buffers hold the results and are returned themselves; autograd records through them: kv's gradient the
+    upstream gradients side by side, k_pos_emb's (in another dtype than kv) the transpose of the rotation of the
+    heads' sum. Once in the graph a buffer requires grad and is refused by the next call, as Megatron's is."""
+    gen = torch.Generator().manual_seed(7)
+    kv = randn((5, 2, 3, K + V), torch.float32, gen).requires_grad_()
+    pe = randn((5, 2, 1, EMB), torch.bfloat16, gen).requires_grad_()
+    cos, sin = _tables(6, gen)
+    rows = torch.arange(5, device=DEVICE)
+    out_key = torch.full((5, 2, 3, K + EMB), float("nan"), device=DEVICE)
+    out_value = torch.full((5, 2, 3, V), float("nan"), device=DEVICE)
+    with reference_path(reference):
+        key, value = kv_split(kv, pe, cos, sin, EMB, K, V, out_key=out_key, out_value=out_value)
+        assert key is out_key and value is out_value and key.grad_fn is not None
+        wk, wv = want_kv(kv, pe, cos, sin, rows)
+        close(key, wk, "forward: key")
+        assert torch.equal(value.double(), wv), "forward: value"
+        gk, gv = randn(key.shape, torch.float32, gen), randn(value.shape, torch.float32, gen)
+        torch.autograd.backward((key, value), (gk, gv))
+        with pytest.raises(ValueError, match="^out_key: must not require grad"):
+            kv_split(kv, pe, cos, sin, EMB, K, V, out_key=out_key, out_value=out_value.detach())
+    assert torch.equal(kv.grad, torch.cat([gk[..., :K], gv], -1)), "backward: kv"
+    summed = gk[..., K:].sum(-2, keepdim=True)  # float32: the sum over the heads, as the broadcast's backward takes it
+    want_pe = _interleave(oracle_grad(summed, cos.double()[rows][:, None, None], sin.double()[rows][:, None, None],
+                                      False))
+    torch.testing.assert_close(pe.grad.double(), want_pe, rtol=2**-7, atol=2**-7, msg="backward: k_pos_emb")
+
+
+def test_kv_split_reads_positions_after_cu_seqlens_written():
+    """thd reads the position table kept per cu_seqlens_kv tensor (shared with fused_mla_rope_inplace's): after
+    cu_seqlens_kv is written in place, the next call reads its new values."""
+    gen = torch.Generator().manual_seed(8)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32, device=DEVICE)
+    cos, sin = _tables(8, gen)
+    kv, pe = randn((4, 2, K + V), torch.float32, gen), randn((4, 1, EMB), torch.float32, gen)
+    kw = dict(cp_rank=1, cp_size=2)
+    rows = torch.tensor([1, 2, 1, 2], device=DEVICE)  # rank 1 of 2: chunks 1 and 2 of each 4-token sequence
+    close(kv_split(kv, pe, cos, sin, EMB, K, V, cu, **kw)[0], want_kv(kv, pe, cos, sin, rows)[0], "first call")
+    cu.copy_(torch.tensor([0, 8, 8], dtype=torch.int32))
+    rows = torch.tensor([2, 3, 4, 5], device=DEVICE)  # one 8-token sequence: chunks 1 and 2 hold rows 2 to 5
+    close(kv_split(kv, pe, cos, sin, EMB, K, V, cu, **kw)[0], want_kv(kv, pe, cos, sin, rows)[0], "after the write")

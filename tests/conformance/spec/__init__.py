@@ -28,7 +28,7 @@ from ..tensors import DEVICE
 NAMES = ("te", "hf", "hf-single", "hf-glm", "hf-deepseek-v3", "liger", "flash", "vllm", "hf-mrope", "vllm-mrope",
          "mrope", "qwen3vl-mrope", "te-qkv",
          "meta", "torchtitan-complex", "torchtitan-cossin", "qknorm", "vllm-qknorm", "vllm-cache", "sglang-cache",
-         "te-qknorm", "qknorm-cache", "deepseek-v4", "megatron-mla")
+         "te-qknorm", "qknorm-cache", "deepseek-v4", "megatron-mla", "megatron-mla-kv")
 
 
 class Expect(NamedTuple):

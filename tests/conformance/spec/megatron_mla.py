@@ -75,7 +75,7 @@ class Plan(NamedTuple):
     explicit_defaults: bool = False
 
 
-def n_tokens(p: Plan) -> int:
+def n_tokens(p) -> int:
     """t's rows of tokens: s (sbhd), or the local tokens of every sequence and the padding (thd)."""
     return (sum(p.lengths) // p.cp_size + p.pad) if p.thd else p.s
 
@@ -102,12 +102,17 @@ def megatron_rows(cu, n: int, cp_size: int, cp_rank: int) -> list:
     return rows
 
 
-def table_rows_needed(p: Plan) -> int:
+def by_position_ids(p) -> bool:
+    """Whether the plan passes position_ids (the KV split's plans, which share these helpers, have none)."""
+    return getattr(p, "position_ids", False)
+
+
+def table_rows_needed(p) -> int:
     """The rows every token reads fit in (position_ids are drawn below it)."""
     if not p.thd:
         return p.s
     n = n_tokens(p)
-    if p.position_ids:
+    if by_position_ids(p):
         return max(n, 1)
     rows = megatron_rows(cu_of(p.lengths), n, p.cp_size, p.cp_rank)
     return max(rows) + 1 if rows else 0
@@ -119,6 +124,84 @@ def limits() -> dict:
     # DeepSeek's q: 128 nope + 64 rope per head, its kv_lora_rank 512; odd and unaligned leading widths too
     return dict(s=256, b=4, h=16, n=4, k=48, nope=(128, 0, 64, 512, 3), emb=(64, 32, 128, 16), before=(64, 3),
                 after=(0, 64), pad=16)
+
+
+def draw_sequences(draw, caps, lim) -> dict:
+    """Drawn by a plan strategy, first (Hypothesis varies early choices most), the choices that open classes: the
+    format, sbhd's tokens, position_ids where the convention has them (caps["position_ids"]) and their layout,
+    context parallelism, the dtypes, an empty call, thd's sequences and padding or sbhd's batch. Returns the plan's
+    fields of those names."""
+    thd = draw(st.booleans()) if caps["thd"] else False
+    tokens = draw(domains.lengths((1, 3, 2, lim["s"]), False, lim["s"], small()))  # sbhd's s
+    position_ids = thd and caps.get("position_ids", False) and draw(st.booleans())
+    positions_layout = draw(layouts(1, spaced=True)) if caps["strides"] and position_ids else contiguous(1)
+    cp_size = draw(st.sampled_from((1, 2, 4))) if caps["context_parallel"] else 1
+    cp_rank = draw(st.sampled_from(tuple(reversed(range(cp_size)))))  # the last rank the simplest
+    dtype = draw(st.sampled_from(caps["dtypes"]))
+    table_dtype = draw(st.sampled_from(domains.table_dtypes(dtype, caps)))
+    empty = caps["empty"] and draw(st.integers(0, 9)) == 0
+    s, b, lengths, pad = 0, 1, (), 0
+    if thd:
+        unit = 2 * cp_size if cp_size > 1 else 1
+        n = draw(st.integers(1, lim["n"]))
+        lengths = [0 if empty else unit * draw(st.integers(0, lim["k"])) for _ in range(n)]
+        if not empty and not any(lengths):
+            lengths[-1] = unit
+        if not empty and cp_size > 1 and caps["uneven_cp"] and draw(st.booleans()):
+            # remainders that add up across sequences: local bounds are each global bound // cp_size
+            lengths = [n + draw(st.integers(0, unit - 1)) for n in lengths]
+            lengths[0] += 0 if any(n % unit for n in lengths) else 1
+        lengths = tuple(lengths)
+        pad = draw(st.integers(0, lim["pad"])) if caps["padding"] and not empty else 0
+    else:
+        s = 0 if empty else tokens
+        b = draw(st.sampled_from((2, 1) if small() else (2, 1, lim["b"])))
+    return dict(thd=thd, s=s, b=b, lengths=lengths, pad=pad, cp_size=cp_size, cp_rank=cp_rank, dtype=dtype,
+                table_dtype=table_dtype, position_ids=position_ids, positions_layout=positions_layout)
+
+
+def draw_heads_layout(draw, ndim: int, strides: bool, lim):
+    """Drawn by a plan strategy: how a tensor of heads lies, a tensors.Layout, or (a third of the time where views are
+    drawn) a Wide: its rows within wider NaN-filled ones."""
+    kind = draw(st.sampled_from(("layout", "wide", "layout"))) if strides else "layout"
+    if kind == "wide":
+        return Wide(tuple(draw(st.permutations(range(ndim - 1)))) + (ndim - 1,), draw(st.sampled_from(lim["before"])),
+                    draw(st.sampled_from(lim["after"])))
+    return draw(layouts(ndim)) if strides else contiguous(ndim)
+
+
+def place_heads(arena, shape, dtype, layout):
+    """N(0, 1) values of `shape` laid out as `layout` says; a Wide one within NaN-filled wider rows (a read or a write
+    past the rows shows as NaN in the result, or as a side effect)."""
+    if not isinstance(layout, Wide):
+        return arena.randn(shape, dtype, layout)
+    values = torch.randn(shape, generator=arena.gen, dtype=torch.float64).to(dtype)
+    nan = float("nan")
+    full = torch.cat([torch.full((*shape[:-1], layout.before), nan, dtype=dtype), values,
+                      torch.full((*shape[:-1], layout.after), nan, dtype=dtype)], dim=-1)
+    return arena.place(full, Layout(layout.order, (0,) * len(shape)))[..., layout.before:layout.before + shape[-1]]
+
+
+def build_tables(p, arena) -> dict:
+    """cos and sin of the plan: rows for every token and p.extra_rows more, halves equal or each column its own angle,
+    [rows, 1, 1, emb] or [rows, emb], in p.table_dtype, laid out as the plan says."""
+    rows = table_rows_needed(p) + p.extra_rows
+    theta = arena.angles((rows, p.emb // 2 if p.equal_halves else p.emb))
+    if p.equal_halves:
+        theta = torch.cat([theta, theta], -1)
+    tables = {}
+    for name, fn, layout in (("cos", torch.cos, p.cos_layout), ("sin", torch.sin, p.sin_layout)):
+        values = fn(theta).to(p.table_dtype)
+        tables[name] = arena.place(values.reshape(rows, 1, 1, p.emb) if p.table_rank == 4 else values, layout)
+    return tables
+
+
+def rotated_pairs(rope, cos, sin) -> tuple:
+    """(left, right, x1, x2) in float64: the pairs x1 = rope[2i], x2 = rope[2i + 1] of the rope channels and Megatron's
+    map of them by per-token cos, sin [..., emb] (broadcast against the pairs)."""
+    half = rope.shape[-1] // 2
+    x1, x2 = rope[..., 0::2], rope[..., 1::2]
+    return x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:], x1, x2
 
 
 class MegatronMLA(Convention):
@@ -160,39 +243,11 @@ class MegatronMLA(Convention):
 
         @st.composite
         def draw(draw):
-            # the choices that open classes first (Hypothesis varies early choices most)
-            thd = draw(st.booleans()) if caps["thd"] else False
-            tokens = draw(domains.lengths((1, 3, 2, lim["s"]), False, lim["s"], small()))  # sbhd's s
-            position_ids = thd and caps["position_ids"] and draw(st.booleans())
-            positions_layout = draw(layouts(1, spaced=True)) if strides and position_ids else contiguous(1)
-            cp_size = draw(st.sampled_from((1, 2, 4))) if caps["context_parallel"] else 1
-            cp_rank = draw(st.sampled_from(tuple(reversed(range(cp_size)))))  # the last rank the simplest
-            dtype = draw(st.sampled_from(caps["dtypes"]))
-            table_dtype = draw(st.sampled_from(domains.table_dtypes(dtype, caps)))
-            empty = caps["empty"] and draw(st.integers(0, 9)) == 0
-            s, b, lengths, pad = 0, 1, (), 0
-            if thd:
-                unit = 2 * cp_size if cp_size > 1 else 1
-                n = draw(st.integers(1, lim["n"]))
-                lengths = [0 if empty else unit * draw(st.integers(0, lim["k"])) for _ in range(n)]
-                if not empty and not any(lengths):
-                    lengths[-1] = unit
-                if not empty and cp_size > 1 and caps["uneven_cp"] and draw(st.booleans()):
-                    # remainders that add up across sequences: local bounds are each global bound // cp_size
-                    lengths = [n + draw(st.integers(0, unit - 1)) for n in lengths]
-                    lengths[0] += 0 if any(n % unit for n in lengths) else 1
-                lengths = tuple(lengths)
-                pad = draw(st.integers(0, lim["pad"])) if caps["padding"] and not empty else 0
-            else:
-                s = 0 if empty else tokens
-                b = draw(st.sampled_from((2, 1) if small() else (2, 1, lim["b"])))
-            kind = draw(st.sampled_from(("layout", "wide", "layout"))) if strides else "layout"
-            ndim = 3 if thd else 4
-            if kind == "wide":
-                t_layout = Wide(tuple(draw(st.permutations(range(ndim - 1)))) + (ndim - 1,),
-                                draw(st.sampled_from(lim["before"])), draw(st.sampled_from(lim["after"])))
-            else:
-                t_layout = draw(layouts(ndim)) if strides else contiguous(ndim)
+            rows = draw_sequences(draw, caps, lim)
+            thd, cp_size, cp_rank = rows["thd"], rows["cp_size"], rows["cp_rank"]
+            dtype, table_dtype, position_ids = rows["dtype"], rows["table_dtype"], rows["position_ids"]
+            s, b, lengths, pad = rows["s"], rows["b"], rows["lengths"], rows["pad"]
+            t_layout = draw_heads_layout(draw, 3 if thd else 4, strides, lim)
             table_rank = draw(st.sampled_from((4, 2)))
             return Plan(
                 draw(seeds()), dtype, table_dtype, thd, s, b, lengths, pad, draw(st.integers(1, lim["h"])),
@@ -203,7 +258,7 @@ class MegatronMLA(Convention):
                 draw(st.booleans()) if caps["elementwise_tables"] else True, table_rank, t_layout,
                 draw(layouts(table_rank, padded_dims=(0, table_rank - 1))) if strides else contiguous(table_rank),
                 draw(layouts(table_rank, padded_dims=(0, table_rank - 1))) if strides else contiguous(table_rank),
-                positions_layout, draw(st.booleans()) if caps["backward"] and caps["leaf"] else False)
+                rows["positions_layout"], draw(st.booleans()) if caps["backward"] and caps["leaf"] else False)
 
         return domains.with_explicit(draw(), caps)
 
@@ -212,16 +267,9 @@ class MegatronMLA(Convention):
         return (n_tokens(p), p.h, d) if p.thd else (p.s, p.b, p.h, d)
 
     def build(self, p: Plan, arena) -> Case:
-        t = self.heads(p, arena)
-        rows = table_rows_needed(p) + p.extra_rows
-        half = p.emb // 2
-        theta = arena.angles((rows, half if p.equal_halves else p.emb))
-        if p.equal_halves:
-            theta = torch.cat([theta, theta], -1)
-        tables = {}
-        for name, fn, layout in (("cos", torch.cos, p.cos_layout), ("sin", torch.sin, p.sin_layout)):
-            values = fn(theta).to(p.table_dtype)
-            tables[name] = arena.place(values.reshape(rows, 1, 1, p.emb) if p.table_rank == 4 else values, layout)
+        t = place_heads(arena, self.t_shape(p), p.dtype, p.t_layout)
+        tables = build_tables(p, arena)
+        rows = tables["cos"].shape[0]
         args = dict(t=t, **tables, nope_dim=p.nope, emb_dim=p.emb)
         args["cu_seqlens_q"] = arena.place(cu_of(p.lengths, p.index_dtype)) if p.thd else None
         args.update(cp_rank=p.cp_rank, cp_size=p.cp_size, rotary_interleaved=False, inverse=p.inverse,
@@ -229,19 +277,6 @@ class MegatronMLA(Convention):
         args["position_ids"] = arena.place(arena.integers(0, rows, (n_tokens(p),), p.index_dtype),
                                            p.positions_layout) if p.position_ids else None
         return Case(p, args, 5, arena.buffers)
-
-    def heads(self, p: Plan, arena):
-        """t: N(0, 1) values laid out as p.t_layout says; a Wide one within NaN-filled wider rows (a read or a write
-        past t's head shows as NaN in the result, or as a side effect)."""
-        shape = self.t_shape(p)
-        if not isinstance(p.t_layout, Wide):
-            return arena.randn(shape, p.dtype, p.t_layout)
-        lay = p.t_layout
-        values = torch.randn(shape, generator=arena.gen, dtype=torch.float64).to(p.dtype)
-        nan = float("nan")
-        full = torch.cat([torch.full((*shape[:-1], lay.before), nan, dtype=p.dtype), values,
-                          torch.full((*shape[:-1], lay.after), nan, dtype=p.dtype)], dim=-1)
-        return arena.place(full, Layout(lay.order, (0,) * len(shape)))[..., lay.before:lay.before + shape[-1]]
 
     def leaf_args(self, case):
         return ("t",) if case.plan.leaf else ()
@@ -257,11 +292,8 @@ class MegatronMLA(Convention):
         cos, sin = (tab[:, None, None] if not p.thd else tab[:, None] for tab in (cos, sin))
         if p.inverse:
             sin = -sin
-        half = p.emb // 2
-        rope, nope = x[..., p.nope:], x[..., :p.nope]
-        x1, x2 = rope[..., 0::2], rope[..., 1::2]
-        left = x1 * cos[..., :half] - x2 * sin[..., :half]
-        right = x2 * cos[..., half:] + x1 * sin[..., half:]
+        nope = x[..., :p.nope]
+        left, right, x1, x2 = rotated_pairs(x[..., p.nope:], cos, sin)
         value = torch.cat([left, right, nope], -1)
         source = torch.cat([x1, x2, nope], -1)  # each output channel's input pair, half-split
         return {"t": Expect(value, source, p.emb, False, p.dtype)}
@@ -304,14 +336,14 @@ def table_2d(tab):
     return tab.reshape(tab.shape[0], tab.shape[-1])
 
 
-def token_rows(case, x64) -> torch.Tensor:
+def token_rows(case, x64, cu_name: str = "cu_seqlens_q") -> torch.Tensor:
     """The table row each token reads (int64: [s], or [T]), from the arguments as given."""
     p = case.plan
     if not p.thd:
         return torch.arange(p.s)
-    if p.position_ids:
+    if by_position_ids(p):
         return x64["position_ids"].long()
-    return torch.tensor(megatron_rows(x64["cu_seqlens_q"], n_tokens(p), p.cp_size, p.cp_rank), dtype=torch.int64)
+    return torch.tensor(megatron_rows(x64[cu_name], n_tokens(p), p.cp_size, p.cp_rank), dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------------- invariants
@@ -332,9 +364,13 @@ def call(fn, case, up=None, **overrides):
 
 
 def upstream(case, seed):
-    t = case.args["t"]
+    return gaussian(case.args["t"].shape, case.args["t"], seed)
+
+
+def gaussian(shape, like, seed: int) -> torch.Tensor:
+    """N(0, 1) values of `shape` from `seed`, in the dtype and on the device of `like` (an upstream gradient)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(tuple(t.shape), generator=gen, dtype=torch.float64).to(t.dtype).to(t.device)
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64).to(like.dtype).to(like.device)
 
 
 def grads(caps) -> bool:
@@ -377,7 +413,7 @@ def inverse_undoes(conv, fn, caps, plan):
                   case.args["cos"].dtype, caps.get("accuracy", "float32"))
 
 
-def _quarter_turns(case, seed):
+def quarter_turns(case, seed):
     """cos, sin of the case's tables' shape and dtype, each entry a quarter turn ((1, 0), (0, 1), (-1, 0) or
     (0, -1)), drawn per column (per pair where the halves must be equal)."""
     cos = case.args["cos"]
@@ -402,7 +438,7 @@ def remove_interleaving_permutes(conv, fn, caps, plan):
         return
     case = make_case(conv, caps, plan._replace(remove_interleaving=False))
     n = plan.nope
-    c, s = _quarter_turns(case, plan.seed + 4)
+    c, s = quarter_turns(case, plan.seed + 4)
     half_split, _ = call(fn, case, cos=c, sin=s)
     written, _ = call(fn, case, cos=c, sin=s, remove_interleaving=True)
     want = torch.cat([half_split[..., :n], interleave(half_split[..., n:])], -1)
@@ -435,17 +471,21 @@ def shard_tokens(lengths, cp_size: int, rank: int) -> torch.Tensor:
     return torch.tensor(idx, dtype=torch.int64)
 
 
-def _packed(plan, unit: int) -> Plan:
-    """The plan as packed sequences on one rank (no position_ids, no padding), each length a multiple of `unit` with
-    tokens (a batch entry of an sbhd plan a sequence)."""
+def packed_plan(plan, unit: int, **fields):
+    """The plan as packed sequences on one rank (no padding), each length a multiple of `unit` with tokens (a batch
+    entry of an sbhd plan a sequence); `fields` replace the convention's own (contiguous thd layouts, no
+    position_ids)."""
     lengths = plan.lengths if plan.thd else (plan.s,) * plan.b
     cap = 1 if small() else 4
     lengths = tuple(unit * max(1, min(n // unit, cap)) for n in lengths) or (unit,)
-    return plan._replace(thd=True, lengths=lengths, pad=0, cp_size=1, cp_rank=0, position_ids=False,
-                         t_layout=contiguous(3))
+    return plan._replace(thd=True, lengths=lengths, pad=0, cp_size=1, cp_rank=0, **fields)
 
 
-def _ranks(size: int, plan) -> range:
+def _packed(plan, unit: int) -> Plan:
+    return packed_plan(plan, unit, position_ids=False, t_layout=contiguous(3))
+
+
+def drawn_ranks(size: int, plan) -> range:
     return range(size) if not small() else (plan.seed % size,)  # on the CPU one rank per example, drawn
 
 
@@ -460,7 +500,7 @@ def context_parallel(conv, fn, caps, plan):
         full = make_case(conv, caps, _packed(plan, 2 * size))
         x, up = full.args["t"], upstream(full, plan.seed + 7)
         want, want_grad = call(fn, full, up if grads(caps) else None)
-        for rank in _ranks(size, plan):
+        for rank in drawn_ranks(size, plan):
             tokens = shard_tokens(full.plan.lengths, size, rank).to(x.device)
             local_up = up.index_select(0, tokens) if grads(caps) else None
             out, grad = call(fn, full, local_up, t=x.index_select(0, tokens), cp_size=size, cp_rank=rank)
@@ -493,7 +533,7 @@ def position_ids_shards(conv, fn, caps, plan):
     x, up = full.args["t"], upstream(full, plan.seed + 9)
     want, want_grad = call(fn, full, up if grads(caps) else None)
     dtype = plan.index_dtype
-    for rank in _ranks(size, plan):
+    for rank in drawn_ranks(size, plan):
         tokens, rows, offset = [], [], 0
         for n in full.plan.lengths:
             part = range(rank * n // size, (rank + 1) * n // size)
@@ -523,13 +563,9 @@ def batch_rows_alone(conv, fn, caps, plan):
     g = up if grads(caps) else None
     want, want_grad = call(fn, case, g)
     if p.thd:
-        bounds = [int(v) // p.cp_size for v in case.args["cu_seqlens_q"].tolist()]
-        spans = [(i, slice(a, e)) for i, (a, e) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)) if e > a]
         pid = case.args.get("position_ids")
-        for i, span in spans[:2] if small() else spans:
-            # alone, its local length as in the whole call: Megatron divides each bound by cp_size, not the length
-            length = (span.stop - span.start) * p.cp_size
-            extra = dict(cu_seqlens_q=torch.tensor([0, length], dtype=p.index_dtype, device=x.device))
+        for i, span, cu in sequences_alone(case, "cu_seqlens_q"):
+            extra = dict(cu_seqlens_q=cu)
             if pid is not None:
                 extra["position_ids"] = pid[span].clone()
             out, grad = call(fn, case, None if g is None else g[span].clone(), t=x[span].clone(), **extra)
@@ -553,26 +589,29 @@ def batch_rows_alone(conv, fn, caps, plan):
                        grad, torch.roll(want_grad, 1, 1))
 
 
-def bad_inputs(case) -> list:
-    """(names a message may start with, argument overrides) for each bad call the case gives; each breaks one thing
-    of a valid call."""
+def sequences_alone(case, cu_name: str) -> list:
+    """(i, its local tokens, the cu_seqlens of it alone) for the packed sequences of the case with tokens (on the CPU
+    the first two): alone, its local length as in the whole call (Megatron divides each bound by cp_size, not the
+    length)."""
+    p = case.plan
+    bounds = [int(v) // p.cp_size for v in case.args[cu_name].tolist()]
+    spans = [(i, slice(a, e)) for i, (a, e) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)) if e > a]
+    device = case.args[cu_name].device
+    return [(i, span, torch.tensor([0, (span.stop - span.start) * p.cp_size], dtype=p.index_dtype, device=device))
+            for i, span in (spans[:2] if small() else spans)]
+
+
+def bad_flags_and_tables(case) -> list:
+    """`bad_inputs` of the flags, the context-parallel rank and the tables, which the Megatron conventions share."""
     p, a = case.plan, case.args
-    t, cos, sin = a["t"], a["cos"], a["sin"]
-    dev = t.device
+    cos, sin = a["cos"], a["sin"]
     rows = cos.shape[0]
 
     def tables(shape, v=0.5):
         return dict(cos=cos.new_full(shape, v), sin=sin.new_full(shape, v))
 
-    bad = [
-        (("t",), dict(t=t.detach().cpu().tolist())),
-        (("t",), dict(t=t.to(torch.int32))),
-        (("t", "nope_dim", "emb_dim"), dict(nope_dim=p.nope + 1)),
-        (("nope_dim", "t"), dict(nope_dim=-1)),
-        (("emb_dim", "t", "nope_dim"), dict(emb_dim=p.emb - 2, nope_dim=p.nope + 2)),
-        (("emb_dim",), dict(emb_dim=float(p.emb))),
+    return [
         (("rotary_interleaved",), dict(rotary_interleaved=True)),
-        (("inverse",), dict(inverse="yes")),
         (("remove_interleaving",), dict(remove_interleaving=1)),
         (("cp_rank",), dict(cp_size=p.cp_size, cp_rank=p.cp_size)),
         (("cp_rank",), dict(cp_rank=-1)),
@@ -583,6 +622,48 @@ def bad_inputs(case) -> list:
         (("cos",), dict(cos=cos.to(torch.int64), sin=sin.to(torch.int64))),
         (("cos", "sin"), dict(cos=cos.to(other_device()), sin=sin.to(other_device()))),
     ]
+
+
+def bad_packing(case, cu_name: str, by_rows: bool) -> list:
+    """`bad_inputs` of cu_seqlens (thd): its type, dtype and shape; `by_rows` (its values give the rows), not from 0,
+    decreasing, and the tables one row short."""
+    p, a = case.plan, case.args
+    cu = a[cu_name]
+    bad = [
+        ((cu_name,), {cu_name: cu.tolist()}),
+        ((cu_name,), {cu_name: cu.float()}),
+        ((cu_name,), {cu_name: cu[None]}),
+        ((cu_name,), {cu_name: cu[:0]}),
+    ]
+    if by_rows:
+        total = int(cu[-1])
+        bad += [
+            ((cu_name,), {cu_name: cu + p.cp_size}),  # not starting at 0
+            ((cu_name,), {cu_name: torch.tensor([0, total + p.cp_size, total], dtype=cu.dtype, device=cu.device)}),
+        ]
+        need = table_rows_needed(p)
+        if need:
+            bad.append((("cos", "sin"), dict(cos=a["cos"][:need - 1], sin=a["sin"][:need - 1])))
+    return bad
+
+
+def bad_inputs(case) -> list:
+    """(names a message may start with, argument overrides) for each bad call the case gives; each breaks one thing
+    of a valid call."""
+    p, a = case.plan, case.args
+    t, cos, sin = a["t"], a["cos"], a["sin"]
+    dev = t.device
+    rows = cos.shape[0]
+    bad = [
+        (("t",), dict(t=t.detach().cpu().tolist())),
+        (("t",), dict(t=t.to(torch.int32))),
+        (("t", "nope_dim", "emb_dim"), dict(nope_dim=p.nope + 1)),
+        (("nope_dim", "t"), dict(nope_dim=-1)),
+        (("emb_dim", "t", "nope_dim"), dict(emb_dim=p.emb - 2, nope_dim=p.nope + 2)),
+        (("emb_dim",), dict(emb_dim=float(p.emb))),
+        (("inverse",), dict(inverse="yes")),
+        *bad_flags_and_tables(case),
+    ]
     if t.dim() and t.shape[0] > 1:
         bad.append((("t",), dict(t=t[:1].expand(t.shape))))  # overlapping elements: not writable in place
     need = table_rows_needed(p)
@@ -592,26 +673,10 @@ def bad_inputs(case) -> list:
         if need:
             bad.append((("cos", "sin"), dict(cos=cos[:need - 1], sin=sin[:need - 1])))
         return bad
-    cu = a["cu_seqlens_q"]
-    total = int(cu[-1])
-    bad += [
-        (("cu_seqlens_q",), dict(cu_seqlens_q=cu.tolist())),
-        (("cu_seqlens_q",), dict(cu_seqlens_q=cu.float())),
-        (("cu_seqlens_q",), dict(cu_seqlens_q=cu[None])),
-        (("cu_seqlens_q",), dict(cu_seqlens_q=cu[:0])),
-        (("t",), dict(t=t[:, None])),  # four dims with cu_seqlens_q
-    ]
     n = n_tokens(p)
     pid = a.get("position_ids")
-    if pid is None:
-        bad += [
-            (("cu_seqlens_q",), dict(cu_seqlens_q=cu + p.cp_size)),  # not starting at 0
-            (("cu_seqlens_q",), dict(cu_seqlens_q=torch.tensor([0, total + p.cp_size, total], dtype=cu.dtype,
-                                                                device=dev))),  # decreasing
-        ]
-        if need:
-            bad.append((("cos", "sin"), dict(cos=cos[:need - 1], sin=sin[:need - 1])))
-    else:
+    bad += [(("t",), dict(t=t[:, None])), *bad_packing(case, "cu_seqlens_q", pid is None)]  # t: four dims with it
+    if pid is not None:
         bad += [
             (("position_ids",), dict(position_ids=pid[:n - 1] if n else pid.new_zeros(1))),
             (("position_ids",), dict(position_ids=pid.float())),
@@ -669,6 +734,23 @@ def _thd(cap: str = "thd"):
     return lambda caps: not caps["thd"] or not caps.get(cap, True)
 
 
+def packing_classes(arg: str) -> tuple:
+    """The classes of cu_seqlens (named `arg`): omitted or a tensor, its dtypes, an empty sequence, two with tokens,
+    padding rows past the last, lengths no multiple of 2 cp_size."""
+    return (*domains.optional(arg, "a tensor [n + 1] (thd)", other_off=_thd()),
+            domains.cls("int32", lambda p, c: p.thd and p.index_dtype == torch.int32, off=_thd()),
+            domains.cls("int64", lambda p, c: p.thd and p.index_dtype == torch.int64, off=_thd()),
+            domains.cls("an empty sequence", lambda p, c: p.thd and 0 in p.lengths and sum(p.lengths) > 0, off=_thd()),
+            domains.cls("two sequences with tokens", lambda p, c: p.thd and sum(map(bool, p.lengths)) > 1,
+                        off=_thd()),
+            domains.cls("rows past the last sequence (padding)", lambda p, c: p.thd and p.pad > 0, "padding",
+                        off=_thd("padding")),
+            domains.cls("a length no multiple of 2 cp_size (cp_size > 1)",
+                        lambda p, c: p.thd and p.cp_size > 1 and any(n % (2 * p.cp_size) for n in p.lengths),
+                        "uneven_cp", off=lambda caps: _thd()(caps) or not caps["context_parallel"]
+                        or not caps["uneven_cp"]))
+
+
 MegatronMLA.DOMAIN = {
     "t": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("t"),
           domains.cls("a head within a wider row", lambda p, c: isinstance(p.t_layout, Wide), "strides"),
@@ -687,24 +769,12 @@ MegatronMLA.DOMAIN = {
     "emb_dim": (domains.cls("4 (two pairs)", lambda p, c: p.emb == 4) if small() else
                 domains.cls("64 (DeepSeek's)", lambda p, c: p.emb == 64),
                 domains.cls("another multiple of 4", lambda p, c: p.emb != (4 if small() else 64))),
-    "cu_seqlens_q": (*domains.optional("cu_seqlens_q", "a tensor [n + 1] (thd)", other_off=_thd()),
-                     domains.cls("int32", lambda p, c: p.thd and p.index_dtype == torch.int32, off=_thd()),
-                     domains.cls("int64", lambda p, c: p.thd and p.index_dtype == torch.int64, off=_thd()),
-                     domains.cls("an empty sequence", lambda p, c: p.thd and 0 in p.lengths and sum(p.lengths) > 0,
-                                 off=_thd()),
-                     domains.cls("two sequences with tokens", lambda p, c: p.thd and sum(map(bool, p.lengths)) > 1,
-                                 off=_thd()),
-                     domains.cls("rows past the last sequence (padding)", lambda p, c: p.thd and p.pad > 0,
-                                 "padding", off=_thd("padding")),
-                     domains.cls("a length no multiple of 2 cp_size (cp_size > 1)",
-                                 lambda p, c: p.thd and p.cp_size > 1 and any(n % (2 * p.cp_size) for n in p.lengths),
-                                 "uneven_cp", off=lambda caps: _thd()(caps) or not caps["context_parallel"]
-                                 or not caps["uneven_cp"])),
+    "cu_seqlens_q": packing_classes("cu_seqlens_q"),
     "cp_rank": (*domains.optional("cp_rank", "rank > 0", "context_parallel"),
                 domains.cls("the last rank of 4", lambda p, c: p.cp_size == 4 and p.cp_rank == 3, "context_parallel")),
     "cp_size": (*domains.optional("cp_size", "2 or 4", "context_parallel"),
                 domains.cls("4", lambda p, c: p.cp_size == 4, "context_parallel"),
-                domains.cls("thd with cp_size > 1", lambda p, c: p.thd and p.cp_size > 1 and not p.position_ids,
+                domains.cls("thd with cp_size > 1", lambda p, c: p.thd and p.cp_size > 1 and not by_position_ids(p),
                             off=lambda caps: not caps["context_parallel"] or not caps["thd"]),
                 domains.cls("sbhd with cp_size > 1 (not read)", lambda p, c: not p.thd and p.cp_size > 1,
                             "context_parallel")),

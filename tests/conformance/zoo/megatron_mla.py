@@ -11,50 +11,23 @@ INTS = (torch.int32, torch.int64)
 def _check(t, cos, sin, nope_dim, emb_dim, cu_seqlens_q, cp_rank, cp_size, rotary_interleaved, inverse,
            remove_interleaving, position_ids):
     """Megatron's asserts, and what its kernel would read out of bounds, refused by the argument at fault."""
-    if not isinstance(t, torch.Tensor) or t.dtype not in FLOATS:
-        raise TypeError("t: expected a float32, float16 or bfloat16 tensor")
-    for name, v in (("nope_dim", nope_dim), ("emb_dim", emb_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
-    if emb_dim == 0 or emb_dim % 4:
-        raise ValueError(f"emb_dim: expected a positive multiple of 4, got {emb_dim}")
-    for name, v in (("rotary_interleaved", rotary_interleaved), ("inverse", inverse),
-                    ("remove_interleaving", remove_interleaving)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
-    if rotary_interleaved:
-        raise ValueError("rotary_interleaved: only False")
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank: expected an int in [0, {cp_size}), got {cp_rank!r}")
+    check_float("t", t)
+    check_widths(nope_dim=nope_dim, emb_dim=emb_dim)
+    check_flags(emb_dim, cp_rank, cp_size, rotary_interleaved=rotary_interleaved, inverse=inverse,
+                remove_interleaving=remove_interleaving)
     thd = cu_seqlens_q is not None
     if t.dim() != (3 if thd else 4) or t.shape[-1] != nope_dim + emb_dim:
         raise ValueError(f"t: expected {'[T, h, d]' if thd else '[s, b, h, d]'} with d = nope_dim + emb_dim, got "
                          f"{tuple(t.shape)}")
     if torch._debug_has_internal_overlap(t) == 1:
         raise ValueError("t: its elements overlap: it cannot be written in place")
-    for name, tab in (("cos", cos), ("sin", sin)):
-        if not isinstance(tab, torch.Tensor) or tab.dtype not in FLOATS:
-            raise TypeError(f"{name}: expected a float32, float16 or bfloat16 tensor")
-        if tab.device != t.device:
-            raise ValueError(f"{name}: expected t's device")
-    if sin.shape != cos.shape or sin.dtype != cos.dtype:
-        raise ValueError("sin: expected cos's shape and dtype")
-    if cos.dim() not in (2, 4) or cos.shape[-1] != emb_dim or (cos.dim() == 4 and cos.shape[1:3] != (1, 1)):
-        raise ValueError(f"cos: expected [rows, 1, 1, emb_dim] or [rows, emb_dim], got {tuple(cos.shape)}")
+    check_tables(cos, sin, t, emb_dim)
     if not thd:
         if position_ids is not None:
             raise ValueError("position_ids: only with cu_seqlens_q")
         return
-    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dtype not in INTS:
-        raise TypeError("cu_seqlens_q: expected an int32 or int64 tensor")
-    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
-        raise ValueError("cu_seqlens_q: expected [n + 1]")
+    check_packing("cu_seqlens_q", cu_seqlens_q, position_ids is None)
     if position_ids is None:
-        cu = cu_seqlens_q.long()
-        if cu[0] != 0 or (cu[1:] < cu[:-1]).any():
-            raise ValueError("cu_seqlens_q: expected non-decreasing values from 0")
         return
     if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in INTS:
         raise TypeError("position_ids: expected an int32 or int64 tensor")
@@ -62,6 +35,63 @@ def _check(t, cos, sin, nope_dim, emb_dim, cu_seqlens_q, cp_rank, cp_size, rotar
         raise ValueError(f"position_ids: expected [{t.shape[0]}]")
     if position_ids.numel() and (position_ids.min() < 0 or position_ids.max() >= cos.shape[0]):
         raise ValueError("position_ids: expected rows of cos")
+
+
+# The checks of Megatron's two functions alike.
+
+def check_float(name, x):
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOATS:
+        raise TypeError(f"{name}: expected a float32, float16 or bfloat16 tensor")
+
+
+def check_widths(**widths):
+    for name, v in widths.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+
+
+def check_flags(emb_dim, cp_rank, cp_size, **flags):
+    """emb_dim a multiple of 4, the flags bools, rotary_interleaved False, cp_rank within cp_size."""
+    if emb_dim == 0 or emb_dim % 4:
+        raise ValueError(f"emb_dim: expected a positive multiple of 4, got {emb_dim}")
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+    if flags["rotary_interleaved"]:
+        raise ValueError("rotary_interleaved: only False")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank: expected an int in [0, {cp_size}), got {cp_rank!r}")
+
+
+def check_tables(cos, sin, x, emb_dim):
+    for name, tab in (("cos", cos), ("sin", sin)):
+        if not isinstance(tab, torch.Tensor) or tab.dtype not in FLOATS:
+            raise TypeError(f"{name}: expected a float32, float16 or bfloat16 tensor")
+        if tab.device != x.device:
+            raise ValueError(f"{name}: expected the device of the rotated tensor")
+    if sin.shape != cos.shape or sin.dtype != cos.dtype:
+        raise ValueError("sin: expected cos's shape and dtype")
+    if cos.dim() not in (2, 4) or cos.shape[-1] != emb_dim or (cos.dim() == 4 and cos.shape[1:3] != (1, 1)):
+        raise ValueError(f"cos: expected [rows, 1, 1, emb_dim] or [rows, emb_dim], got {tuple(cos.shape)}")
+
+
+def check_packing(name, cu_seqlens, by_rows: bool):
+    """cu_seqlens an int tensor [n + 1]; `by_rows` (its values give the rows): from 0, non-decreasing."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in INTS:
+        raise TypeError(f"{name}: expected an int32 or int64 tensor")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"{name}: expected [n + 1]")
+    cu = cu_seqlens.long()
+    if by_rows and (cu[0] != 0 or (cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name}: expected non-decreasing values from 0")
+
+
+def check_rows_in(rows, cos):
+    """Every token's row within the tables (Megatron's kernel reads past them)."""
+    if rows.numel() and int(rows.max()) >= cos.shape[0]:
+        raise ValueError(f"cos: too short: rows reach {int(rows.max())}, cos has {cos.shape[0]}")
 
 
 def _dual_chunk(j, length, cp_size, cp_rank, second=None):
@@ -90,7 +120,7 @@ def packed_rows(cu_seqlens, n, cp_size, cp_rank, second=None, bounds=None):
     return torch.where(inside, j, 0)
 
 
-def _rows(t, cu_seqlens_q, cp_rank, cp_size, position_ids, bug):
+def token_rows(t, cu_seqlens_q, cp_rank, cp_size, position_ids, bug):
     """Each token's table row ([s] or [T])."""
     if cu_seqlens_q is None:
         j = torch.arange(t.shape[0], device=t.device)
@@ -110,29 +140,37 @@ def _rows(t, cu_seqlens_q, cp_rank, cp_size, position_ids, bug):
     return packed_rows(cu_seqlens_q, t.shape[0], cp_size, cp_rank, second, bounds)
 
 
-def _rotation(c, s, remove_interleaving, bug, math=torch.float32):
+def rotation(c, s, remove_interleaving, bug, math=torch.float32, out_dtype=None):
     """The map of the rope slice x [..., emb] by per-token rows c, s (broadcast over heads): `math`, one rounding to
-    x's dtype."""
+    `out_dtype` (x's where None)."""
     half = c.shape[-1] // 2
 
     def rotate(x):
         y = x.to(math)
         cm, sm = c.to(math), s.to(math)
         if bug == "tables_cast_to_t":
-            cm, sm = c.to(x.dtype).to(math), s.to(x.dtype).to(math)
+            cm, sm = (tab.to(out_dtype or x.dtype).to(math) for tab in (c, s))
         x1, x2 = (y[..., :half], y[..., half:]) if bug == "no_deinterleave" else (y[..., 0::2], y[..., 1::2])
         right_cols = slice(0, half) if bug == "table_halves_shared" else slice(half, None)
         left = x1 * cm[..., :half] - x2 * sm[..., :half]
         right = x2 * cm[..., right_cols] + x1 * sm[..., right_cols]
         interleaved = remove_interleaving != (bug == "remove_interleaving_inverted")
         out = torch.stack((left, right), -1).flatten(-2) if interleaved else torch.cat((left, right), -1)
-        return out.to(x.dtype)
+        return out.to(out_dtype or x.dtype)
     return rotate
+
+
+def tables_at(cos, sin, rows, sbhd: bool):
+    """cos, sin at each token's row, [s, 1, 1, emb] (sbhd) or [T, 1, emb] (thd), broadcast over heads; a bug's rows
+    may leave the tables: read within them, as a kernel that clamps its loads does."""
+    rows = rows.clamp(0, max(cos.shape[0] - 1, 0))
+    c, s = (tab.detach().reshape(tab.shape[0], tab.shape[-1])[rows] for tab in (cos, sin))
+    return tuple(v[:, None, None] if sbhd else v[:, None] for v in (c, s))
 
 
 def _sequences_only(c, s, remove_interleaving, bug, last):
     """The map on the rows of the sequences alone: rows from `last` on (padding) left as they are."""
-    head = _rotation(c[:last], s[:last], remove_interleaving, bug)
+    head = rotation(c[:last], s[:last], remove_interleaving, bug)
     return lambda x: torch.cat([head(x[:last]), x[last:]], 0)
 
 
@@ -170,24 +208,19 @@ def _apply(t, cos, sin, nope_dim, emb_dim, cu_seqlens_q, cp_rank, cp_size, rotar
         _check(t, cos, sin, nope_dim, emb_dim, cu_seqlens_q, cp_rank, cp_size, rotary_interleaved, inverse,
                remove_interleaving, position_ids)
     if bug != "unchecked_input":
-        rows = _rows(t, cu_seqlens_q, cp_rank, cp_size, position_ids, None)
-        if rows.numel() and int(rows.max()) >= cos.shape[0]:
-            raise ValueError(f"cos: too short: rows reach {int(rows.max())}, cos has {cos.shape[0]}")
-    # a bug's rows may leave the table: read within it, as a kernel that clamps its loads does
-    rows = _rows(t, cu_seqlens_q, cp_rank, cp_size, position_ids, bug).clamp(0, max(cos.shape[0] - 1, 0))
-    c, s = (tab.detach().reshape(tab.shape[0], tab.shape[-1])[rows] for tab in (cos, sin))
-    c, s = (v[:, None, None] if cu_seqlens_q is None else v[:, None] for v in (c, s))
+        check_rows_in(token_rows(t, cu_seqlens_q, cp_rank, cp_size, position_ids, None), cos)
+    c, s = tables_at(cos, sin, token_rows(t, cu_seqlens_q, cp_rank, cp_size, position_ids, bug), cu_seqlens_q is None)
     if inverse != (bug == "inverse_sign_wrong"):
         s = -s
     one_sequence = (t.dim() == 4 and t.shape[1] == 1) or (t.dim() == 3 and cu_seqlens_q.shape[0] == 2)
     math = torch.float64 if bug == "math_depends_on_batch" and one_sequence else torch.float32
-    rotate = _rotation(c, s, remove_interleaving, bug, math)
+    rotate = rotation(c, s, remove_interleaving, bug, math)
     if bug == "padding_rows_unwritten" and cu_seqlens_q is not None and position_ids is None:
         rotate = _sequences_only(c, s, remove_interleaving, bug, int(cu_seqlens_q[-1]) // cp_size)
     backward = transpose(rotate)
     if bug == "inverse_as_transpose" and inverse:
         # the kernel's backward direction: the transpose of the map by the tables as given (s is negated here)
-        backward = _rotation(c, -s, remove_interleaving, bug)
+        backward = rotation(c, -s, remove_interleaving, bug)
         rotate = transpose(backward)
     if bug == "backward_not_transposed":
         backward = rotate
