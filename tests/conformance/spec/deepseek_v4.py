@@ -29,7 +29,7 @@ from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, domains, small
-from .hf import batch_rows_alone, call, refuses_each, tables_batch_broadcast, unsqueeze_dim_transposed, unsqueeze_domain
+from .hf import batch_rows_alone, call, refusing, tables_batch_broadcast, unsqueeze_dim_transposed, unsqueeze_domain
 from .hf_single import heads_together
 
 
@@ -336,13 +336,7 @@ def bad_inputs(case) -> list:
             (("unsqueeze_dim",), dict(unsqueeze_dim=3))]
 
 
-def refuses_bad_input(conv, fn, caps, plan):
-    """Every bad call of `bad_inputs` raises a TypeError or ValueError whose message starts with the argument at
-    fault, and leaves every buffer of the case as it was (nothing written on the way to the error)."""
-    if not caps["bad_input"]:
-        return
-    case = make_case(conv, caps, plan)
-    refuses_each(fn, case, bad_inputs(case))
+refuses_bad_input = refusing(bad_inputs)
 
 
 DeepSeekV4.INVARIANTS = {

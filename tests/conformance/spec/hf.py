@@ -171,6 +171,17 @@ def rotated(case) -> list:
     return [n for n in ("q", "k", "x") if n in case.args]
 
 
+def refusing(bad_inputs):
+    """The invariant `refuses_bad_input` of a convention whose bad calls `bad_inputs(case)` lists: each raises a
+    TypeError or ValueError whose message starts with the argument at fault, and leaves every buffer of the case as
+    it was (`refuses_each`)."""
+    def refuses_bad_input(conv, fn, caps, plan):
+        if caps["bad_input"]:
+            case = make_case(conv, caps, plan)
+            refuses_each(fn, case, bad_inputs(case))
+    return refuses_bad_input
+
+
 def refuses_each(fn, case, bad) -> None:
     """Every bad call of `bad` ((names, overrides): the argument at fault and its aliases, the arguments that replace
     the case's) raises a TypeError or ValueError whose message starts with one of the names, and leaves every
@@ -359,31 +370,33 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _expression(x, cos, sin, math):
+def _expression(x, cos, sin, math, partner=_rotate_half):
     """transformers' `apply_rotary_pos_emb` on one tensor, partial rotary sliced and concatenated as GPT-NeoX's form
     writes it: with `math` None in the input dtypes, each operation rounded to torch's promotion of its operands (as
-    eager PyTorch runs the expression); else in `math`, rounded once to the promotion of x's and cos's dtypes."""
+    eager PyTorch runs the expression); else in `math`, rounded once to the promotion of x's and cos's dtypes.
+    `partner`: the form's rotate_half (GLM's pairs its channels interleaved)."""
     r = cos.shape[-1]
     out = torch.promote_types(x.dtype, cos.dtype)
     x_rot, x_pass = x[..., :r], x[..., r:]
     if math is not None:
         x_rot, cos, sin = x_rot.to(math), cos.to(math), sin.to(math)
-    embed = (x_rot * cos) + (_rotate_half(x_rot) * sin)
+    embed = (x_rot * cos) + (partner(x_rot) * sin)
     return torch.cat([embed.to(out), x_pass.to(out)], dim=-1)
 
 
-def _schedule(math):
+def schedule_of(math, tables=lambda tab: tab, partner=_rotate_half):
+    """The schedule (`math` as `_expression`) of a form whose unsqueezed cos/sin it reads as `tables` gives them."""
     def schedule(case):
         p = case.plan
-        cos, sin = case.args["cos"].unsqueeze(p.unsqueeze_dim), case.args["sin"].unsqueeze(p.unsqueeze_dim)
+        cos, sin = (tables(case.args[n].unsqueeze(p.unsqueeze_dim)) for n in ("cos", "sin"))
         with torch.no_grad():
-            return {n: _expression(case.args[n], cos, sin, math) for n in rotated(case)}
+            return {n: _expression(case.args[n], cos, sin, math, partner) for n in rotated(case)}
     return schedule
 
 
 # --rope-schedule: `eager`, the expression as transformers' models run it; `float32`, float32 math and one rounding
 # (each product and the sum rounded to float32 in turn: PyTorch's operations, not a fused multiply-add)
-SCHEDULES = {"eager": _schedule(None), "float32": _schedule(torch.float32)}
+SCHEDULES = {"eager": schedule_of(None), "float32": schedule_of(torch.float32)}
 HF.SCHEDULES = SCHEDULES
 
 

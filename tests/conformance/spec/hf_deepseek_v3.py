@@ -34,7 +34,7 @@ from .hf import (
     _expression,
     batch_rows_alone,
     call,
-    refuses_each,
+    refusing,
     tables_batch_broadcast,
     tables_domain,
     unsqueeze_dim_transposed,
@@ -305,13 +305,7 @@ def bad_inputs(case) -> list:
     return bad
 
 
-def refuses_bad_input(conv, fn, caps, plan):
-    """Every bad call of `bad_inputs` raises a TypeError or ValueError whose message starts with the argument at
-    fault, and leaves every buffer of the case as it was (nothing written on the way to the error)."""
-    if not caps["bad_input"]:
-        return
-    case = make_case(conv, caps, plan)
-    refuses_each(fn, case, bad_inputs(case))
+refuses_bad_input = refusing(bad_inputs)
 
 
 HFDeepSeekV3.INVARIANTS = {

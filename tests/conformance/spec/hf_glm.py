@@ -15,7 +15,7 @@ import torch
 from .. import pairing
 from ..compare import assert_bitwise
 from ..run import make_case
-from .hf import HF, INVARIANTS, call, rotated
+from .hf import HF, INVARIANTS, call, rotated, schedule_of
 
 
 class HFGLM(HF):
@@ -47,31 +47,14 @@ def _rotate_half_interleaved(x):
     return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
-def _expression(x, cos, sin, math):
-    """GLM's `apply_rotary_pos_emb` on one tensor (cos/sin unsqueezed): with `math` None in the input dtypes, each
-    operation rounded to torch's promotion of its operands (as eager PyTorch runs it); else in `math`, rounded once
-    to the promotion of x's and cos's dtypes."""
-    cos, sin = (t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
-    r = cos.shape[-1]
-    out = torch.promote_types(x.dtype, cos.dtype)
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    if math is not None:
-        x_rot, cos, sin = x_rot.to(math), cos.to(math), sin.to(math)
-    embed = (x_rot * cos) + (_rotate_half_interleaved(x_rot) * sin)
-    return torch.cat([embed.to(out), x_pass.to(out)], dim=-1)
-
-
-def _schedule(math):
-    def schedule(case):
-        p = case.plan
-        cos, sin = case.args["cos"].unsqueeze(p.unsqueeze_dim), case.args["sin"].unsqueeze(p.unsqueeze_dim)
-        with torch.no_grad():
-            return {n: _expression(case.args[n], cos, sin, math) for n in rotated(case)}
-    return schedule
+def _first_half_repeated(tab):
+    """GLM's tables: each row's first half, each column repeated for both channels of its pair."""
+    return tab[..., : tab.shape[-1] // 2].repeat_interleave(2, dim=-1)
 
 
 # --rope-schedule: `eager`, GLM's expression as transformers' models run it; `float32`, float32 math (each product
 # and the sum rounded to float32 in turn) and one rounding
-HFGLM.SCHEDULES = {"eager": _schedule(None), "float32": _schedule(torch.float32)}
+HFGLM.SCHEDULES = {math_name: schedule_of(math, _first_half_repeated, _rotate_half_interleaved)
+                   for math_name, math in (("eager", None), ("float32", torch.float32))}
 
 CONVENTION = HFGLM()

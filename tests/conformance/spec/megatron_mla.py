@@ -34,7 +34,7 @@ from ..run import make_case
 from ..tensors import DEVICE, DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, domains, small
 from .deepseek_v4 import to_front
-from .hf import refuses_each
+from .hf import refusing
 from .hf_deepseek_v3 import deinterleave, interleave
 
 
@@ -695,13 +695,7 @@ def other_device():
     return "cpu" if DEVICE.type != "cpu" else "meta"
 
 
-def refuses_bad_input(conv, fn, caps, plan):
-    """Every bad call of `bad_inputs` raises a TypeError or ValueError whose message starts with the argument at
-    fault, and leaves every buffer of the case as it was (nothing written on the way to the error)."""
-    if not caps["bad_input"]:
-        return
-    case = make_case(conv, caps, plan)
-    refuses_each(fn, case, bad_inputs(case))
+refuses_bad_input = refusing(bad_inputs)
 
 
 MegatronMLA.INVARIANTS = {

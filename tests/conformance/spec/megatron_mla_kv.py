@@ -41,7 +41,7 @@ from ..contract import Returned
 from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, domains, small
-from .hf import refuses_each
+from .hf import refusing
 from .hf_deepseek_v3 import deinterleave, interleave
 from .megatron_mla import (
     MegatronMLA,
@@ -493,13 +493,7 @@ def _bad_outputs(case) -> list:
     return bad
 
 
-def refuses_bad_input(conv, fn, caps, plan):
-    """Every bad call of `bad_inputs` raises a TypeError or ValueError whose message starts with the argument at
-    fault, and leaves every buffer of the case as it was (nothing written on the way to the error)."""
-    if not caps["bad_input"]:
-        return
-    case = make_case(conv, caps, plan)
-    refuses_each(fn, case, bad_inputs(case))
+refuses_bad_input = refusing(bad_inputs)
 
 
 MegatronMLAKV.INVARIANTS = {
