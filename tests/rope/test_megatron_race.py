@@ -116,25 +116,25 @@ if triton is not None:
     @triton.jit
     def _overlapping_tiles_kernel(x_ptr, cos_ptr, sin_ptr, positions_ptr, n_rows, row_stride, ROWS: tl.constexpr,
                                   HALF: tl.constexpr, INTERLEAVED_OUT: tl.constexpr):
-        """The planted race: program p rotates rows p * ROWS .. p * ROWS + ROWS, in place, one row more than its
-        share, so the next program's first row is rotated by two programs at once."""
-        lane = tl.arange(0, 2 * ROWS)
-        r = tl.program_id(0) * ROWS + lane
-        ok = (lane <= ROWS) & (r < n_rows)
+        """The planted race: program p rotates, in place, its own tile of ROWS rows and then the next program's, so
+        every tile but the first is rotated by two programs at once; the result depends on which one loads first."""
         i = tl.arange(0, HALF)[None, :]
-        row = x_ptr + r[:, None] * row_stride
-        a = tl.load(row + 2 * i, mask=ok[:, None]).to(tl.float32)
-        b = tl.load(row + 2 * i + 1, mask=ok[:, None]).to(tl.float32)
-        table = tl.load(positions_ptr + r, mask=ok)[:, None] * (2 * HALF)
-        c1, c2 = tl.load(cos_ptr + table + i, mask=ok[:, None]), tl.load(cos_ptr + table + HALF + i, mask=ok[:, None])
-        s1, s2 = tl.load(sin_ptr + table + i, mask=ok[:, None]), tl.load(sin_ptr + table + HALF + i, mask=ok[:, None])
-        out_a, out_b = (a * c1 - b * s1).to(x_ptr.dtype.element_ty), (b * c2 + a * s2).to(x_ptr.dtype.element_ty)
-        if INTERLEAVED_OUT:
-            tl.store(row + 2 * i, out_a, mask=ok[:, None])
-            tl.store(row + 2 * i + 1, out_b, mask=ok[:, None])
-        else:
-            tl.store(row + i, out_a, mask=ok[:, None])
-            tl.store(row + HALF + i, out_b, mask=ok[:, None])
+        for tile in range(2):
+            r = (tl.program_id(0) + tile) * ROWS + tl.arange(0, ROWS)
+            ok = (r < n_rows)[:, None]
+            row = x_ptr + r[:, None] * row_stride
+            a = tl.load(row + 2 * i, mask=ok).to(tl.float32)
+            b = tl.load(row + 2 * i + 1, mask=ok).to(tl.float32)
+            table = tl.load(positions_ptr + r, mask=r < n_rows)[:, None] * (2 * HALF)
+            c1, c2 = tl.load(cos_ptr + table + i, mask=ok), tl.load(cos_ptr + table + HALF + i, mask=ok)
+            s1, s2 = tl.load(sin_ptr + table + i, mask=ok), tl.load(sin_ptr + table + HALF + i, mask=ok)
+            out_a, out_b = (a * c1 - b * s1).to(x_ptr.dtype.element_ty), (b * c2 + a * s2).to(x_ptr.dtype.element_ty)
+            if INTERLEAVED_OUT:
+                tl.store(row + 2 * i, out_a, mask=ok)
+                tl.store(row + 2 * i + 1, out_b, mask=ok)
+            else:
+                tl.store(row + i, out_a, mask=ok)
+                tl.store(row + HALF + i, out_b, mask=ok)
 
 
 def _overlapping_tiles(t, cos, sin, kw):
@@ -157,6 +157,6 @@ def _overlapping_tiles(t, cos, sin, kw):
 @gpu_only
 @pytest.mark.parametrize("form", ["thd", "sbhd", "decode"])
 def test_a_planted_race_is_caught(form):
-    """The same check on an in-place kernel whose programs' tiles overlap by a row: a row rotated by a program
-    after its neighbour wrote it comes out rotated twice, on some calls and not others."""
+    """The same check on an in-place kernel whose programs' tiles overlap: a row rotated by a program after its
+    neighbour wrote it comes out rotated twice."""
     assert _verdict(_overlapping_tiles, form, remove_interleaving=False, backward=False) is not None
