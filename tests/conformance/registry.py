@@ -94,22 +94,17 @@ NAMED = {
     # position_ids as a dense array, launches a grid of s * b or T programs (none: an invalid launch), and checks with
     # asserts or not at all (a position past the tables is read out of bounds). Its backward rotates the upstream
     # gradient in that gradient's memory where it is contiguous (the backward property reports the write). Releases
-    # without inverse, remove_interleaving or position_ids (older signatures) lack those (_absent).
+    # without inverse, remove_interleaving or position_ids (older signatures) lack those (absent_caps).
     "megatron": {"megatron-mla": (("megatron.core.fusions.fused_mla_yarn_rope_apply:fused_mla_rope_inplace",),
-                                  {"accuracy": "dtype", "strides": False, "empty": False, "bad_input": False,
-                                   "_absent": {"inverse": {"inverse": False},
-                                               "remove_interleaving": {"remove_interleaving": False},
-                                               "position_ids": {"position_ids": False}}}),
+                                  {"accuracy": "dtype", "strides": False, "empty": False, "bad_input": False}),
                  # its KV split: the same kernel conventions, tl.arange over k_dim, v_dim and emb_dim / 2 (powers of
                  # two), contiguous tables (asserted), kv and k_pos_emb viewed flat in sbhd; releases before
                  # remove_interleaving and the out buffers lack those, and the oldest name it
-                 # fused_apply_mla_rope_for_kv (_absent)
+                 # fused_apply_mla_rope_for_kv (absent_caps)
                  "megatron-mla-kv": (("megatron.core.fusions.fused_mla_yarn_rope_apply:fused_mla_rope_kv_split",
                                       "megatron.core.fusions.fused_mla_yarn_rope_apply:fused_apply_mla_rope_for_kv"),
                                      {"accuracy": "dtype", "strides": False, "empty": False, "bad_input": False,
-                                      "odd_widths": False,
-                                      "_absent": {"remove_interleaving": {"remove_interleaving": False},
-                                                  "out_key": {"out_key": False, "out_value": False}}})},
+                                      "odd_widths": False})},
     # flash-attention's Triton apply_rotary asserts the tables are in x's dtype
     "flash": {"flash": (("flash_attn.layers.rotary:apply_rotary_emb",), {"float32_tables": False})},
     "liger": {"liger": (("liger_kernel.transformers.rope:liger_rotary_pos_emb",), {})},
@@ -119,11 +114,10 @@ NAMED = {
                                  {"in_place": True, "elementwise_tables": False, "accuracy": "dtype",
                                   "partial": False})},
     # vLLM's CUDA op: the cache in query's dtype, contiguous cache rows and int64 positions, math in query's dtype;
-    # releases without rope_dim_offset or inverse (older signatures) lack those (_absent)
+    # releases without rope_dim_offset or inverse (older signatures) lack those (absent_caps)
     "vllm": {"vllm": (("vllm._custom_ops:rotary_embedding",),
                       {"cache_dtypes": "query", "strided_cache": False, "strided_positions": False,
-                       "int32_positions": False, "accuracy": "dtype",
-                       "_absent": {"rope_dim_offset": {"rope_dim_offset": False}, "inverse": {"inverse": False}}}),
+                       "int32_positions": False, "accuracy": "dtype"}),
              # its fused QK norm + RoPE: contiguous qkv, weights in qkv's dtype, int64 positions, head_dim 64/128/256
              "vllm-qknorm": (("vllm._custom_ops:fused_qk_norm_rope",),
                              {"weight_dtypes": "qkv", "strides": False, "int32_positions": False,
@@ -138,13 +132,11 @@ NAMED = {
     # tensors), and checks its arguments with asserts and TORCH_CHECK (AssertionError, RuntimeError), some not at
     # all (start_positions past freqs is read out of bounds). Strided t and upstream gradients are read through
     # their strides; start_positions with context parallelism give cp_position(j) + start, as the contract says.
-    # Releases without interleaved, start_positions or cp_size (older signatures) lack those (_absent).
+    # Releases without interleaved, start_positions or cp_size (older signatures) lack those (absent_caps).
     "te": {"te": (("transformer_engine.pytorch.attention.rope:apply_rotary_pos_emb",
                    "transformer_engine.pytorch.attention:apply_rotary_pos_emb"),
                   {"_keywords": {"fused": True}, "freqs_strides": False, "int64_start_positions": False,
-                   "int64_cu_seqlens": False, "empty": False, "bad_input": False,
-                   "_absent": {"interleaved": {"interleaved": False}, "start_positions": {"start_positions": False},
-                               "cp_size": {"context_parallel": False}}}),
+                   "int64_cu_seqlens": False, "empty": False, "bad_input": False}),
            "te-qkv": (("transformer_engine.pytorch.attention.rope:apply_fused_qkv_rotary_pos_emb",
                        "transformer_engine.pytorch.attention:apply_fused_qkv_rotary_pos_emb"),
                       {"strides": False, "cp_start_positions": False, "int64_start_positions": False,
@@ -197,18 +189,22 @@ def declared(fn, module, convention: str) -> dict:
     return {**per_module.get(convention, {}), **caps}
 
 
-def absent_caps(fn, absent: dict) -> dict:
-    """The capabilities to switch off for parameters fn's signature lacks ({parameter: capabilities}); none where
-    the signature cannot be read or takes **kwargs."""
+def absent_caps(conv: str, fn) -> dict:
+    """The capabilities off for a callable whose signature lacks optional parameters the convention has
+    (`PARAMETER_CAPS`: an older release's signature): those the parameters carry, and `explicit_defaults`, so
+    that no argument it lacks is passed at its default either. None where the signature cannot be read or takes
+    **kwargs."""
     import inspect
 
+    needs = spec.load(conv).PARAMETER_CAPS
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    if not needs or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return {}
-    return {k: v for name, caps in absent.items() if name not in params for k, v in caps.items()}
+    off = {k: v for name, caps in needs.items() if name not in params for k, v in caps.items()}
+    return {**off, "explicit_defaults": False} if off else {}
 
 
 def resolve(spec_text: str, cli_caps: str = "") -> Native:
@@ -230,9 +226,9 @@ def resolve(spec_text: str, cli_caps: str = "") -> Native:
             if conv in fns:
                 defaults = dict(defaults)
                 keywords = defaults.pop("_keywords", None)  # a fixed keyword makes the callable this convention
-                defaults.update(absent_caps(fns[conv], defaults.pop("_absent", {})))
                 if keywords:
                     fns[conv] = functools.partial(fns[conv], **keywords)
+                defaults.update(absent_caps(conv, fns[conv]))
                 caps[conv] = {**defaults, **extra}
             else:
                 missing[conv] = errors[0] if errors else "no candidate"
@@ -244,5 +240,5 @@ def resolve(spec_text: str, cli_caps: str = "") -> Native:
         conv, path = parts[0], f"{parts[1]}:{parts[2]}"
         fn = import_attr(path)
         module = importlib.import_module(parts[1])
-        return Native({conv: fn}, {conv: {**declared(fn, module, conv), **extra}}, {})
+        return Native({conv: fn}, {conv: {**absent_caps(conv, fn), **declared(fn, module, conv), **extra}}, {})
     return Native({}, {}, {})  # TE's convention, or a convention the TE bridges alone know

@@ -24,9 +24,10 @@ CONVENTIONS = spec.available()
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
-def signature_problems(signature: tuple, fn, positional: int = None) -> list:
+def signature_problems(signature: tuple, fn, positional: int = None, may_lack: tuple = ()) -> list:
     """What keeps `fn` from being called as `signature` says, its first `positional` arguments by position and
-    the rest by name (None: all by position); empty: compatible. Raises ValueError or TypeError where Python
+    the rest by name (None: all by position); empty: compatible. `may_lack`: optional parameters an older release
+    lacks, whose capabilities are then off (registry.absent_caps). Raises ValueError or TypeError where Python
     cannot read fn's signature (a builtin or compiled op)."""
     positional = len(signature) if positional is None else positional
     params = list(inspect.signature(fn).parameters.values())
@@ -34,7 +35,7 @@ def signature_problems(signature: tuple, fn, positional: int = None) -> list:
     var_pos = any(p.kind == p.VAR_POSITIONAL for p in params)
     named = {p.name: p for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     problems = []
-    missing = [n for n in signature if n not in named]
+    missing = [n for n in signature if n not in named and n not in may_lack]
     if missing and not (var_kw or var_pos):
         problems.append(f"no parameter {', '.join(missing)}")
     positional_params = [p for p in params if p.kind in POSITIONAL]
@@ -80,7 +81,7 @@ def test_signature(target, name):
         pytest.skip(f"{target.name} has no {name} call")
     conv = spec.load(name)
     try:
-        problems = signature_problems(conv.SIGNATURE, fn, positional_count(conv))
+        problems = signature_problems(conv.SIGNATURE, fn, positional_count(conv), tuple(conv.PARAMETER_CAPS))
     except (ValueError, TypeError) as e:
         pytest.skip(f"{describe(fn)}: Python cannot read its signature ({e})")
     assert not problems, f"{name}: {describe(fn)}{inspect.signature(fn)} against the convention's " \
@@ -147,3 +148,41 @@ def test_zoo_signatures(name):
     for label, fn in [("CORRECT", zoo.CORRECT), *((bug, fn) for bug, (fn, _) in zoo.BUGS.items())]:
         problems = signature_problems(signature, fn, positional)
         assert problems == [], f"{name}: {label}: {problems}"
+
+
+def megatron_before_inverse(t, cos, sin, nope_dim, emb_dim, cu_seqlens_q=None, cp_rank=0, cp_size=1,
+                            rotary_interleaved=False):
+    """Megatron-LM's MLA call as releases before inverse, remove_interleaving and position_ids spelled it."""
+    import rope
+
+    return rope.megatron.fused_mla_rope_inplace(t, cos, sin, nope_dim, emb_dim, cu_seqlens_q, cp_rank, cp_size,
+                                                rotary_interleaved)
+
+
+def test_an_older_signature_is_certified_for_what_it_has():
+    """A callable without some of the convention's optional parameters (an older release): those parameters'
+    capabilities off, no default passed by name to it, its signature compatible, and what is not certified said;
+    the properties then run on it (a few draws: none passes an argument it lacks, which would be a TypeError)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from . import registry, run
+    from .test_native import not_certified
+
+    target = registry.resolve("megatron-mla:tests.conformance.test_signatures:megatron_before_inverse")
+    conv, fn, caps = spec.load("megatron-mla"), target.fns["megatron-mla"], target.caps["megatron-mla"]
+    assert {k: caps[k] for k in ("inverse", "remove_interleaving", "position_ids", "explicit_defaults")} == \
+        dict.fromkeys(("inverse", "remove_interleaving", "position_ids", "explicit_defaults"), False), caps
+    assert signature_problems(conv.SIGNATURE, fn, positional_count(conv), tuple(conv.PARAMETER_CAPS)) == []
+    assert signature_problems(conv.SIGNATURE, fn, positional_count(conv)) == [
+        "no parameter inverse, remove_interleaving, position_ids"]
+    caps = conv.caps(caps)
+    said = not_certified(conv, caps)
+    assert all(word in said for word in ("inverse", "remove_interleaving", "position_ids")), said
+
+    @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(data=st.data())
+    def forward(data):
+        run.forward(conv, fn, caps, data.draw(conv.plans(caps)))
+
+    forward()

@@ -65,6 +65,9 @@ class Convention:
     OPTIONAL: dict = {}
     # argument -> its declared classes of values (domains.py); every class is drawn by `plans`
     DOMAIN: dict = {}
+    # optional parameter a release of the convention's own implementation may lack (an older signature) -> the
+    # capabilities that need it: off for a target whose signature lacks it (registry.absent_caps)
+    PARAMETER_CAPS: dict = {}
     CAPS: dict = {}
     DIFFERENTIABLE: tuple = ()
     # The convention's own invariants: name -> check(conv, fn, caps, plan), run as run.forward is (test_native.py

@@ -206,6 +206,8 @@ def rotated_pairs(rope, cos, sin) -> tuple:
 
 class MegatronMLA(Convention):
     NAME = "megatron-mla"
+    PARAMETER_CAPS = {"inverse": {"inverse": False}, "remove_interleaving": {"remove_interleaving": False},
+                      "position_ids": {"position_ids": False}}
     SIGNATURE = ("t", "cos", "sin", "nope_dim", "emb_dim", "cu_seqlens_q", "cp_rank", "cp_size", "rotary_interleaved",
                  "inverse", "remove_interleaving", "position_ids")
     OPTIONAL = {"cu_seqlens_q": None, "cp_rank": 0, "cp_size": 1, "rotary_interleaved": False, "inverse": False,

@@ -114,6 +114,8 @@ def pow2(n: int) -> bool:
 
 class MegatronMLAKV(Convention):
     NAME = "megatron-mla-kv"
+    PARAMETER_CAPS = {"remove_interleaving": {"remove_interleaving": False},
+                      "out_key": {"out_key": False, "out_value": False}}
     SIGNATURE = ("kv", "k_pos_emb", "cos", "sin", "emb_dim", "k_dim", "v_dim", "cu_seqlens_kv", "cp_rank", "cp_size",
                  "rotary_interleaved", "remove_interleaving", "out_key", "out_value")
     OPTIONAL = {"cu_seqlens_kv": None, "cp_rank": 0, "cp_size": 1, "rotary_interleaved": False,

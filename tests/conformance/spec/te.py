@@ -117,6 +117,8 @@ def rotation_freqs(gen, rows: int, rot: int, interleaved: bool, angle_log2: int)
 
 class TE(Convention):
     NAME = "te"
+    PARAMETER_CAPS = {"interleaved": {"interleaved": False}, "start_positions": {"start_positions": False},
+                      "cp_size": {"context_parallel": False}}
     SIGNATURE = ("t", "freqs", "tensor_format", "start_positions", "interleaved", "fused", "cu_seqlens", "cp_size",
                  "cp_rank")
     DIFFERENTIABLE = ("t",)

@@ -120,6 +120,7 @@ def divisors(n: int) -> tuple:
 
 class VLLM(Convention):
     NAME = "vllm"
+    PARAMETER_CAPS = {"rope_dim_offset": {"rope_dim_offset": False}, "inverse": {"inverse": False}}
     SIGNATURE = ("positions", "query", "key", "head_size", "cos_sin_cache", "is_neox", "rope_dim_offset", "inverse")
     OPTIONAL = {"rope_dim_offset": 0, "inverse": False}
     DIFFERENTIABLE = ()
