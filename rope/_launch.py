@@ -355,7 +355,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
               cp_size: int, cp_rank: int, angles: Angles, backward: bool, inplace: bool = False,
               pos_table: bool = False, k: torch.Tensor | None = None, pos_strides: tuple = (0, 1, 0),
               norm: int = 0, eps: float = 0.0, saved: tuple = (), schedule: str | None = None,
-              permute: bool = False) -> Plan:
+              permute: bool = False, tail_first: bool = False) -> Plan:
     """The plan for x, or with `k` for x = q and k in one launch (same tokens, head dim and dtype; head
     counts may differ). `angles`: what the kernel reads (`Angles`); `pos_table`: the kernel's
     cu_seqlens_or_positions argument holds one position per token, at the (stream, s, b) strides `pos_strides`.
@@ -365,7 +365,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     operations: no plan fuses a multiply-add, `Plan`), then one rounding to the output; "eager", the PyTorch
     expression run eagerly in the output dtype (`EAGER`: each operand, product and the sum rounded to it).
     `backward` is the direction (a call's `inverse` forward runs backward). `permute`: pairs read interleaved and
-    written half-split, the backward the other way round (`PERMUTE`)."""
+    written half-split, the backward the other way round (`PERMUTE`). `tail_first`: the rotated channels are the
+    head's last `layout.rot_dim`, and the channels before them are copied (`ROT_START`)."""
     tensors = (x,) if k is None else (x, k)
     table = angles.table
     # angles differ per batch entry: a group is one (s, b) pair
@@ -434,7 +435,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     dense = tuple(_dense(t, tensor_format) for t in tensors)
     pdl = PDL and x.is_cuda and not norm
     if not norm:
-        args.update(PDL=pdl, EAGER=schedule == "eager", PERMUTE=(2 if backward else 1) if permute else 0)
+        args.update(PDL=pdl, EAGER=schedule == "eager", PERMUTE=(2 if backward else 1) if permute else 0,
+                    ROT_START=layout.d - layout.rot_dim if tail_first else 0)
     if norm:
         items = n_groups * chunks
         progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items
@@ -505,7 +507,7 @@ def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None, 
         plan = make_plan(x, call.layout, call.tensor_format, call.interleaved, call.has_start, call.cp_size,
                          call.cp_rank, angles, backward != call.inverse, inplace, pos_table, k, pos_strides,
                          schedule=None if backward else call.schedule,
-                         permute=call.permute)
+                         permute=call.permute, tail_first=call.tail_first)
         call.plans[key] = plan
     return plan
 

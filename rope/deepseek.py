@@ -21,14 +21,12 @@ from ._launch import table_angles
 def apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1):
     """x's trailing 2 * cos.shape[-1] channels rotated as interleaved pairs by half-width tables; see the module."""
     seen = check_once("deepseek.apply_rotary_pos_emb", _check, (x, cos, sin), (unsqueeze_dim,))
-    nope = x.shape[-1] - 2 * cos.shape[-1]
-    # transformers' result is a new contiguous tensor of x's shape: one copy of x (at copy speed), whose rope slice
-    # is then rotated in place. The slice rotated into a tensor of its own and concatenated with the pass-through
-    # channels took 3.7 times a copy of x on the H200 (docs/design.md, "DeepSeek-V4").
-    out = x.clone(memory_format=torch.contiguous_format)
-    view = out.transpose(1, 2) if unsqueeze_dim == 1 else out  # [b, s, h, D]: the kernel's bshd roles
-    dispatch(V4, (view[..., nope:],), (cos, sin), (), inplace=True, seen=seen)
-    return out
+    view = x.transpose(1, 2) if unsqueeze_dim == 1 else x  # [b, s, h, D]: the kernel's bshd roles
+    # one pass writes the whole head: the rope slice rotated, the channels before it copied (`Call.tail_first`);
+    # the output takes x's memory order where x is dense, so that transformers' contiguous result needs no copy
+    (out,) = dispatch(V4, (view,), (cos, sin), (), seen=seen)
+    out = out.transpose(1, 2) if unsqueeze_dim == 1 else out
+    return out if out.is_contiguous() else out.contiguous()
 
 
 def _check(x, cos, sin, unsqueeze_dim) -> None:
@@ -41,8 +39,10 @@ def _check(x, cos, sin, unsqueeze_dim) -> None:
 
 
 def _call(views, reads, flags) -> Call:
-    b, s, h, r = views[0].shape
-    return Call(Layout(s=s, b=b, h=h, d=r, rot_dim=r, freqs_len=s), tensor_format="bshd", interleaved=True)
+    b, s, h, d = views[0].shape
+    r = 2 * reads[0].shape[-1]
+    return Call(Layout(s=s, b=b, h=h, d=d, rot_dim=r, freqs_len=s), tensor_format="bshd", interleaved=True,
+                tail_first=r < d)
 
 
 def _reads(call, reads, flags) -> tuple:
@@ -53,9 +53,13 @@ def _reads(call, reads, flags) -> tuple:
 
 
 def _reference(views, reads, flags, backward) -> tuple:
-    """The rope slice ([b, s, h, r]) rotated by the tables widened to one column per channel, in float32."""
+    """Each head's trailing channels ([b, s, h, D]) rotated by the tables widened to one column per channel (by
+    -theta backward), in float32; the channels before them copied."""
     cos, sin = (reference.full_width(t, True).unsqueeze(2) for t in reads)
-    return tuple(reference.rotate(x, cos, sin, True) for x in views)
+    sin = -sin if backward else sin
+    r = cos.shape[-1]
+    return tuple(torch.cat([x[..., :x.shape[-1] - r], reference.rotate(x[..., x.shape[-1] - r:], cos, sin, True)],
+                           -1) for x in views)
 
 
 V4 = convention("deepseek-v4", _call, _reads, _reference)

@@ -337,11 +337,12 @@ def _rows(q_ptr, q_out_ptr, k_ptr, k_out_ptr, q_base, q_out_base, k_base, k_out_
 @triton.jit
 def _load_pairs(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, HEAD_DIM: tl.constexpr,
                 ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                BLOCK_TAIL: tl.constexpr, LOAD_TAIL: tl.constexpr):
+                BLOCK_TAIL: tl.constexpr, LOAD_TAIL: tl.constexpr, ROT_START: tl.constexpr = 0):
     """The pair load: a tile's channels a and b = partner(a) as float32, and, LOAD_TAIL, its tail (the tensor's
     dtype; else `a` stands in, never stored). Interleaved reads one contiguous [rows, d2] slice and splits even/odd
     lanes in registers, so every access stays wide. The tail comes with the rotated channels (one round trip per
-    tile, not two)."""
+    tile, not two). ROT_START > 0: the row pointers are at the rotated channels, which are the head's last, and the
+    tail is the ROT_START channels before them (`_tail_columns`)."""
     k_ok, col_a, col_b = _pair_columns(ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_HALF=BLOCK_HALF)
     if INTERLEAVED:
         cols = tl.arange(0, 2 * BLOCK_HALF)
@@ -357,10 +358,10 @@ def _load_pairs(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, HEA
         xb = tl.load(_tile_ptrs(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, cols=col_b,
                                 stride_qd=stride_qd, stride_kd=stride_kd), mask=m).to(tl.float32)
     if LOAD_TAIL:
-        t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+        t_cols, t_ok = _tail_columns(HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, BLOCK_TAIL=BLOCK_TAIL, ROT_START=ROT_START)
         tail = tl.load(_tile_ptrs(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, cols=t_cols,
                                   stride_qd=stride_qd, stride_kd=stride_kd),
-                       mask=rows_ok[:, None] & (t_cols < HEAD_DIM)[None, :])
+                       mask=rows_ok[:, None] & t_ok[None, :])
     else:
         tail = xa
     return xa, xb, tail
@@ -410,11 +411,24 @@ def _store_pairs(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, a,
 @triton.jit
 def _store_tail(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, tail, out_ty: tl.constexpr,
                 RNE_BF16: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-                scale=1.0, inv=1.0, FP8: tl.constexpr = False, FP8_BITS: tl.constexpr = False):
-    """The tail's store: channels ROT_DIM..HEAD_DIM of a tile's rows (`rows_ok`), converted as `_store_pairs`
-    converts."""
-    t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+                scale=1.0, inv=1.0, FP8: tl.constexpr = False, FP8_BITS: tl.constexpr = False,
+                ROT_START: tl.constexpr = 0):
+    """The tail's store: the channels of a tile's rows (`rows_ok`) that are not rotated (`_tail_columns`),
+    converted as `_store_pairs` converts."""
+    t_cols, t_ok = _tail_columns(HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, BLOCK_TAIL=BLOCK_TAIL, ROT_START=ROT_START)
     tl.store(_tile_ptrs(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, cols=t_cols,
                         stride_qd=stride_qd, stride_kd=stride_kd),
              _stored(v=tail, out_ty=out_ty, RNE_BF16=RNE_BF16, scale=scale, inv=inv, FP8=FP8, FP8_BITS=FP8_BITS),
-             mask=rows_ok[:, None] & (t_cols < HEAD_DIM)[None, :])
+             mask=rows_ok[:, None] & t_ok[None, :])
+
+
+@triton.jit
+def _tail_columns(HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_TAIL: tl.constexpr, ROT_START: tl.constexpr):
+    """The tail's columns relative to the row pointers, and which are in the head: channels ROT_DIM..HEAD_DIM
+    where the rotated channels come first; ROT_START > 0 (they come last, the pointers at the first of them): the
+    ROT_START channels before them."""
+    if ROT_START > 0:
+        lanes = tl.arange(0, BLOCK_TAIL)
+        return lanes - ROT_START, lanes < ROT_START
+    t_cols = ROT_DIM + tl.arange(0, BLOCK_TAIL)
+    return t_cols, t_cols < HEAD_DIM

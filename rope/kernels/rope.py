@@ -36,7 +36,8 @@ def _in_output(v, out_ty: tl.constexpr, RNE_BF16: tl.constexpr):
 def _rotate_and_store(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, xa, xb, tail, cos_a, cos_b, sin_a,
                       sin_b, out_ty: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
                       INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                      BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr, INPLACE: tl.constexpr, EAGER: tl.constexpr):
+                      BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr, INPLACE: tl.constexpr, EAGER: tl.constexpr,
+                      ROT_START: tl.constexpr):
     """Rotate a loaded tile and store it, and its tail (in place the tail is neither loaded nor stored).
     EAGER: the schedule of the PyTorch expression run eagerly in the output dtype (docs/contract.md): cos and sin
     rounded to it, then each product, then the sum (the plan compiles without fused multiply-adds)."""
@@ -58,7 +59,18 @@ def _rotate_and_store(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_k
     if BLOCK_TAIL > 0 and not INPLACE:
         _store_tail(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
                     stride_kd=stride_kd, tail=tail, out_ty=out_ty, RNE_BF16=False, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
-                    BLOCK_TAIL=BLOCK_TAIL)  # the tail is copied: the input's dtype is the output's
+                    BLOCK_TAIL=BLOCK_TAIL, ROT_START=ROT_START)  # the tail is copied: the input's dtype is the output's
+
+
+@triton.jit
+def _at_rotated(xq, xk, oq, ok, stride_qd, stride_kd, stride_qod, stride_kod, ROT_START: tl.constexpr):
+    """The row pointers moved to the first rotated channel where the rotated channels are the head's last
+    (ROT_START > 0, DeepSeek-V4's [pass-through | rope] head): one pass writes the whole head, its leading channels
+    copied as a partial rotation's tail."""
+    if ROT_START > 0:
+        xq, xk = xq + ROT_START * stride_qd, xk + ROT_START * stride_kd
+        oq, ok = oq + ROT_START * stride_qod, ok + ROT_START * stride_kod
+    return xq, xk, oq, ok
 
 
 @triton.jit(do_not_specialize=QK_COUNTS)
@@ -74,7 +86,7 @@ def rope_qk_kernel(
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
     POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
     SEC1: tl.constexpr, SEC2: tl.constexpr, QK: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr,
-    PERMUTE: tl.constexpr,
+    PERMUTE: tl.constexpr, ROT_START: tl.constexpr,
 ):
     """q and k of one layer in one launch (QK: a group's rows are q's then k's, its angles found once for both), or
     one tensor (`rope_kernel`): a program's chunks of a group's rows, rotated by the group's angles.
@@ -106,11 +118,13 @@ def rope_qk_kernel(
         k_heads=k_heads, magic_qheads=magic_qheads, magic_kheads=magic_kheads, stride_qb=stride_qb,
         stride_qh=stride_qh, stride_qob=stride_qob, stride_qoh=stride_qoh, stride_kb=stride_kb, stride_kh=stride_kh,
         stride_kob=stride_kob, stride_koh=stride_koh, GROUP_PER_BATCH=GROUP_PER_BATCH, BLOCK_R=BLOCK_R, QK=QK)
+    xq, xk, oq, ok = _at_rotated(xq=xq, xk=xk, oq=oq, ok=ok, stride_qd=stride_qd, stride_kd=stride_kd,
+                                 stride_qod=stride_qod, stride_kod=stride_kod, ROT_START=ROT_START)
     xa, xb, tail = _load_pairs(q_rows_ptr=xq, k_rows_ptr=xk, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
                                stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
                                INTERLEAVED=INTERLEAVED or PERMUTE == 1,
                                BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
-                               LOAD_TAIL=BLOCK_TAIL > 0 and not INPLACE)
+                               LOAD_TAIL=BLOCK_TAIL > 0 and not INPLACE, ROT_START=ROT_START)
     cos_a, cos_b, sin_a, sin_b = _group_angles(
         s_idx=s_idx, b_idx=b_idx, cos_or_freqs_ptr=cos_or_freqs_ptr, sin_ptr=sin_ptr,
         start_positions_ptr=start_positions_ptr, cu_seqlens_or_positions_ptr=cu_seqlens_or_positions_ptr,
@@ -124,7 +138,7 @@ def rope_qk_kernel(
                       sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
                       INTERLEAVED=INTERLEAVED or PERMUTE == 2,
                       BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
-                      INPLACE=INPLACE, EAGER=EAGER)
+                      INPLACE=INPLACE, EAGER=EAGER, ROT_START=ROT_START)
     for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
         xq, xk, oq, ok, in_q, rows_ok = _rows(
             q_ptr=q_ptr, q_out_ptr=q_out_ptr, k_ptr=k_ptr, k_out_ptr=k_out_ptr, q_base=q_base, q_out_base=q_out_base,
@@ -133,17 +147,19 @@ def rope_qk_kernel(
             stride_qh=stride_qh, stride_qob=stride_qob, stride_qoh=stride_qoh, stride_kb=stride_kb,
             stride_kh=stride_kh, stride_kob=stride_kob, stride_koh=stride_koh, GROUP_PER_BATCH=GROUP_PER_BATCH,
             BLOCK_R=BLOCK_R, QK=QK)
+        xq, xk, oq, ok = _at_rotated(xq=xq, xk=xk, oq=oq, ok=ok, stride_qd=stride_qd, stride_kd=stride_kd,
+                                     stride_qod=stride_qod, stride_kod=stride_kod, ROT_START=ROT_START)
         xa, xb, tail = _load_pairs(q_rows_ptr=xq, k_rows_ptr=xk, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
                                    stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
                                INTERLEAVED=INTERLEAVED or PERMUTE == 1,
                                    BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
-                                   LOAD_TAIL=BLOCK_TAIL > 0 and not INPLACE)
+                                   LOAD_TAIL=BLOCK_TAIL > 0 and not INPLACE, ROT_START=ROT_START)
         _rotate_and_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
                           stride_kd=stride_kod, xa=xa, xb=xb, tail=tail, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
                           sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
                       INTERLEAVED=INTERLEAVED or PERMUTE == 2,
                           BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
-                          INPLACE=INPLACE, EAGER=EAGER)
+                          INPLACE=INPLACE, EAGER=EAGER, ROT_START=ROT_START)
 
 
 @triton.jit(do_not_specialize=_COUNTS)
@@ -158,6 +174,7 @@ def rope_kernel(
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
     POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
     SEC1: tl.constexpr, SEC2: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr, PERMUTE: tl.constexpr,
+    ROT_START: tl.constexpr,
 ):
     """One tensor: `rope_qk_kernel`'s body with x as q and as k, and no k rows."""
     rope_qk_kernel(
@@ -174,4 +191,4 @@ def rope_kernel(
         HAS_START=HAS_START, USE_CP=USE_CP, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
         RNE_BF16=RNE_BF16, PIN=PIN, INPLACE=INPLACE, TABLE=TABLE, SPLIT=SPLIT, FANOUT=FANOUT, POS_TABLE=POS_TABLE,
         HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2, QK=False, PDL=PDL, EAGER=EAGER,
-        PERMUTE=PERMUTE)
+        PERMUTE=PERMUTE, ROT_START=ROT_START)

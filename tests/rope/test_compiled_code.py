@@ -25,6 +25,11 @@ VARIANTS = {
                                  sections=[16, 24, 24]),
     "table-fp32-d256": dict(table=True, d=256, d2=256, dtype="fp32", split=True, num_warps=4),
     "evaluated-bf16": dict(),
+    # DeepSeek-V4's head: the trailing 64 of 512 channels rotated (interleaved pairs, a half-width table), the 448
+    # before them copied in the same pass, the row pointers moved to the rotated channels; and the same widths with
+    # the rotated channels first
+    "tail-first-bf16": dict(table=True, d=512, d2=64, interleaved=True, rot_start=448, split=True, num_warps=4),
+    "tail-last-bf16": dict(table=True, d=512, d2=64, interleaved=True, split=True, num_warps=4),
 }
 
 # The CPU suite runs under Triton's interpreter, whose kernels cannot be compiled: the PTX comes
@@ -92,3 +97,14 @@ def test_every_kernel_variant_compiles_for_hopper():
     assert done.returncode == 0, done.stderr[-3000:]
     from tests import ptx
     assert len(done.stdout.splitlines()) == sum(len(v) for v in ptx.KERNELS.values())
+
+
+def test_rotated_channels_last_keep_the_accesses(ptx):
+    """Moving the row pointers to the trailing rotated channels (448 channels, 896 bytes: a multiple of 16) keeps
+    every access as wide as with the rotated channels first: the same loads and stores, most 16 bytes per thread
+    (the 64-channel slice in a tile laid out for the 448-channel tail takes some 8-byte ones either way)."""
+    first, last = ptx["tail-first-bf16"], ptx["tail-last-bf16"]
+    for op in ("ld", "st"):
+        assert sorted(_accesses(first, op)) == sorted(_accesses(last, op)), (op, _accesses(first, op))
+    stores = _accesses(first, "st")
+    assert sum(a.endswith(".v4.b32") for a in stores) > len(stores) / 2, stores
