@@ -436,7 +436,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     pdl = PDL and x.is_cuda and not norm
     if not norm:
         args.update(PDL=pdl, EAGER=schedule == "eager", PERMUTE=(2 if backward else 1) if permute else 0,
-                    ROT_START=layout.d - layout.rot_dim if tail_first else 0)
+                    ROT_START=layout.d - layout.rot_dim if tail_first else 0, MULTI_TILE=rows_per_program > block_r)
     if norm:
         items = n_groups * chunks
         progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items

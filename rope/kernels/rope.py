@@ -86,7 +86,7 @@ def rope_qk_kernel(
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
     POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
     SEC1: tl.constexpr, SEC2: tl.constexpr, QK: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr,
-    PERMUTE: tl.constexpr, ROT_START: tl.constexpr,
+    PERMUTE: tl.constexpr, ROT_START: tl.constexpr, MULTI_TILE: tl.constexpr,
 ):
     """q and k of one layer in one launch (QK: a group's rows are q's then k's, its angles found once for both), or
     one tensor (`rope_kernel`): a program's chunks of a group's rows, rotated by the group's angles.
@@ -139,27 +139,30 @@ def rope_qk_kernel(
                       INTERLEAVED=INTERLEAVED or PERMUTE == 2,
                       BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
                       INPLACE=INPLACE, EAGER=EAGER, ROT_START=ROT_START)
-    for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
-        xq, xk, oq, ok, in_q, rows_ok = _rows(
-            q_ptr=q_ptr, q_out_ptr=q_out_ptr, k_ptr=k_ptr, k_out_ptr=k_out_ptr, q_base=q_base, q_out_base=q_out_base,
-            k_base=k_base, k_out_base=k_out_base, r0=r0, r_end=r_end, q_rows=q_rows, q_heads=q_heads,
-            k_heads=k_heads, magic_qheads=magic_qheads, magic_kheads=magic_kheads, stride_qb=stride_qb,
-            stride_qh=stride_qh, stride_qob=stride_qob, stride_qoh=stride_qoh, stride_kb=stride_kb,
-            stride_kh=stride_kh, stride_kob=stride_kob, stride_koh=stride_koh, GROUP_PER_BATCH=GROUP_PER_BATCH,
-            BLOCK_R=BLOCK_R, QK=QK)
-        xq, xk, oq, ok = _at_rotated(xq=xq, xk=xk, oq=oq, ok=ok, stride_qd=stride_qd, stride_kd=stride_kd,
-                                     stride_qod=stride_qod, stride_kod=stride_kod, ROT_START=ROT_START)
-        xa, xb, tail = _load_pairs(q_rows_ptr=xq, k_rows_ptr=xk, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
-                                   stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
-                               INTERLEAVED=INTERLEAVED or PERMUTE == 1,
-                                   BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
-                                   LOAD_TAIL=BLOCK_TAIL > 0 and not INPLACE, ROT_START=ROT_START)
-        _rotate_and_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
-                          stride_kd=stride_kod, xa=xa, xb=xb, tail=tail, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
-                          sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
-                      INTERLEAVED=INTERLEAVED or PERMUTE == 2,
-                          BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
-                          INPLACE=INPLACE, EAGER=EAGER, ROT_START=ROT_START)
+    # MULTI_TILE: a program may hold more than one tile of rows; else the loop, which would not run, is not compiled
+    if MULTI_TILE:
+        for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
+            xq, xk, oq, ok, in_q, rows_ok = _rows(
+                q_ptr=q_ptr, q_out_ptr=q_out_ptr, k_ptr=k_ptr, k_out_ptr=k_out_ptr, q_base=q_base,
+                q_out_base=q_out_base, k_base=k_base, k_out_base=k_out_base, r0=r0, r_end=r_end, q_rows=q_rows,
+                q_heads=q_heads,
+                k_heads=k_heads, magic_qheads=magic_qheads, magic_kheads=magic_kheads, stride_qb=stride_qb,
+                stride_qh=stride_qh, stride_qob=stride_qob, stride_qoh=stride_qoh, stride_kb=stride_kb,
+                stride_kh=stride_kh, stride_kob=stride_kob, stride_koh=stride_koh, GROUP_PER_BATCH=GROUP_PER_BATCH,
+                BLOCK_R=BLOCK_R, QK=QK)
+            xq, xk, oq, ok = _at_rotated(xq=xq, xk=xk, oq=oq, ok=ok, stride_qd=stride_qd, stride_kd=stride_kd,
+                                         stride_qod=stride_qod, stride_kod=stride_kod, ROT_START=ROT_START)
+            xa, xb, tail = _load_pairs(q_rows_ptr=xq, k_rows_ptr=xk, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
+                                       stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
+                                       INTERLEAVED=INTERLEAVED or PERMUTE == 1, BLOCK_R=BLOCK_R,
+                                       BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
+                                       LOAD_TAIL=BLOCK_TAIL > 0 and not INPLACE, ROT_START=ROT_START)
+            _rotate_and_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
+                              stride_kd=stride_kod, xa=xa, xb=xb, tail=tail, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
+                              sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
+                              INTERLEAVED=INTERLEAVED or PERMUTE == 2, BLOCK_R=BLOCK_R,
+                              BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
+                              INPLACE=INPLACE, EAGER=EAGER, ROT_START=ROT_START)
 
 
 @triton.jit(do_not_specialize=_COUNTS)
@@ -174,7 +177,7 @@ def rope_kernel(
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
     POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
     SEC1: tl.constexpr, SEC2: tl.constexpr, PDL: tl.constexpr, EAGER: tl.constexpr, PERMUTE: tl.constexpr,
-    ROT_START: tl.constexpr,
+    ROT_START: tl.constexpr, MULTI_TILE: tl.constexpr,
 ):
     """One tensor: `rope_qk_kernel`'s body with x as q and as k, and no k rows."""
     rope_qk_kernel(
@@ -191,4 +194,4 @@ def rope_kernel(
         HAS_START=HAS_START, USE_CP=USE_CP, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
         RNE_BF16=RNE_BF16, PIN=PIN, INPLACE=INPLACE, TABLE=TABLE, SPLIT=SPLIT, FANOUT=FANOUT, POS_TABLE=POS_TABLE,
         HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2, QK=False, PDL=PDL, EAGER=EAGER,
-        PERMUTE=PERMUTE, ROT_START=ROT_START)
+        PERMUTE=PERMUTE, ROT_START=ROT_START, MULTI_TILE=MULTI_TILE)
