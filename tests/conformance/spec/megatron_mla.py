@@ -31,19 +31,11 @@ from hypothesis import strategies as st
 from ..compare import assert_bitwise, assert_undone, assert_within
 from ..contract import Returned
 from ..run import make_case
-from ..tensors import DEVICE, DTYPES, Layout, contiguous, layouts, seeds
+from ..tensors import DEVICE, DTYPES, Layout, Wide, contiguous, layouts, place_heads, seeds
 from . import Case, Convention, Expect, domains, small
 from .deepseek_v4 import to_front
 from .hf import refusing
 from .hf_deepseek_v3 import deinterleave, interleave
-
-
-class Wide(NamedTuple):
-    """A layout of t: each head a slice of a wider row, `before` NaN channels ahead of it and `after` behind (q's
-    heads in a projection's output that holds more); `order` as tensors.Layout's."""
-    order: tuple
-    before: int
-    after: int
 
 
 class Plan(NamedTuple):
@@ -168,18 +160,6 @@ def draw_heads_layout(draw, ndim: int, strides: bool, lim):
         return Wide(tuple(draw(st.permutations(range(ndim - 1)))) + (ndim - 1,), draw(st.sampled_from(lim["before"])),
                     draw(st.sampled_from(lim["after"])))
     return draw(layouts(ndim)) if strides else contiguous(ndim)
-
-
-def place_heads(arena, shape, dtype, layout):
-    """N(0, 1) values of `shape` laid out as `layout` says; a Wide one within NaN-filled wider rows (a read or a write
-    past the rows shows as NaN in the result, or as a side effect)."""
-    if not isinstance(layout, Wide):
-        return arena.randn(shape, dtype, layout)
-    values = torch.randn(shape, generator=arena.gen, dtype=torch.float64).to(dtype)
-    nan = float("nan")
-    full = torch.cat([torch.full((*shape[:-1], layout.before), nan, dtype=dtype), values,
-                      torch.full((*shape[:-1], layout.after), nan, dtype=dtype)], dim=-1)
-    return arena.place(full, Layout(layout.order, (0,) * len(shape)))[..., layout.before:layout.before + shape[-1]]
 
 
 def build_tables(p, arena) -> dict:

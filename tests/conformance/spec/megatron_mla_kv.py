@@ -39,13 +39,12 @@ from .. import accuracy
 from ..compare import assert_bitwise
 from ..contract import Returned
 from ..run import make_case
-from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
+from ..tensors import DTYPES, Layout, Wide, contiguous, layouts, place_heads, seeds
 from . import Case, Convention, Expect, domains, small
 from .hf import refusing
 from .hf_deepseek_v3 import deinterleave, interleave
 from .megatron_mla import (
     MegatronMLA,
-    Wide,
     bad_flags_and_tables,
     bad_packing,
     build_tables,
@@ -60,7 +59,6 @@ from .megatron_mla import (
     other_device,
     packed_plan,
     packing_classes,
-    place_heads,
     quarter_turns,
     rotated_pairs,
     sequences_alone,
