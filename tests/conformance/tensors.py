@@ -33,6 +33,27 @@ def contiguous(ndim: int) -> Layout:
     return Layout(tuple(range(ndim)), (0,) * ndim)
 
 
+
+class Wide(NamedTuple):
+    """A layout of a tensor of heads: each head's channels a slice of a wider row, `before` NaN channels ahead of it
+    and `after` behind (q's heads in a projection's output that holds more); `order`, the dims outermost first as
+    they lie in memory (the last always last), as Layout's."""
+    order: tuple
+    before: int
+    after: int
+
+
+def place_heads(arena, shape, dtype, layout):
+    """N(0, 1) values of `shape` laid out as `layout` (a Layout or a Wide) says; a Wide one within NaN-filled wider
+    rows (a read or a write past the rows shows as NaN in the result, or as a side effect)."""
+    if not isinstance(layout, Wide):
+        return arena.randn(shape, dtype, layout)
+    values = torch.randn(shape, generator=arena.gen, dtype=torch.float64).to(dtype)
+    nan = float("nan")
+    full = torch.cat([torch.full((*shape[:-1], layout.before), nan, dtype=dtype), values,
+                      torch.full((*shape[:-1], layout.after), nan, dtype=dtype)], dim=-1)
+    return arena.place(full, Layout(layout.order, (0,) * len(shape)))[..., layout.before:layout.before + shape[-1]]
+
 @st.composite
 def layouts(draw, ndim: int, padded_dims=None, permute: bool = True, spaced: bool = False) -> Layout:
     """Contiguous half the time; else leading dims permuted and/or padded (`padded_dims`: which may be). `spaced`,

@@ -27,19 +27,10 @@ from .. import pairing
 from ..compare import assert_bitwise, assert_undone, assert_within
 from ..contract import Returned
 from ..run import make_case
-from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
+from ..tensors import DTYPES, Layout, Wide, contiguous, layouts, place_heads, seeds
 from . import Case, Convention, Expect, domains, small
 from .hf import batch_rows_alone, call, refusing, tables_batch_broadcast, unsqueeze_dim_transposed, unsqueeze_domain
 from .hf_single import heads_together
-
-
-class Wide(NamedTuple):
-    """A layout of x: each head's D channels a slice of a wider row, `before` NaN channels ahead of it and `after`
-    behind (a head of a fused projection's output); `order`, the dims outermost first as they lie in memory (the
-    last always last), as tensors.Layout's."""
-    order: tuple
-    before: int
-    after: int
 
 
 class Plan(NamedTuple):
@@ -150,14 +141,7 @@ class DeepSeekV4(Convention):
         if lay == "expanded":
             one = arena.randn(self.heads_shape(p, 1), p.dtype)
             return one.expand(self.heads_shape(p))
-        if not isinstance(lay, Wide):
-            return arena.randn(self.heads_shape(p), p.dtype, lay)
-        shape = self.heads_shape(p)
-        values = torch.randn(shape, generator=arena.gen, dtype=torch.float64).to(p.dtype)
-        nan = float("nan")
-        full = torch.cat([torch.full((*shape[:-1], lay.before), nan, dtype=p.dtype), values,
-                          torch.full((*shape[:-1], lay.after), nan, dtype=p.dtype)], dim=-1)
-        return arena.place(full, Layout(lay.order, (0,) * 4))[..., lay.before:lay.before + p.d]
+        return place_heads(arena, self.heads_shape(p), p.dtype, lay)
 
     def tables(self, p: Plan, arena) -> dict:
         """cos and sin [b or 1, s, w]: one angle per pair, each its own (a table read per channel, or as

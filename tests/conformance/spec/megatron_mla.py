@@ -31,19 +31,11 @@ from hypothesis import strategies as st
 from ..compare import assert_bitwise, assert_undone, assert_within
 from ..contract import Returned
 from ..run import make_case
-from ..tensors import DEVICE, DTYPES, Layout, contiguous, layouts, seeds
+from ..tensors import DEVICE, DTYPES, Layout, Wide, contiguous, layouts, place_heads, seeds
 from . import Case, Convention, Expect, domains, small
 from .deepseek_v4 import to_front
 from .hf import refusing
 from .hf_deepseek_v3 import deinterleave, interleave
-
-
-class Wide(NamedTuple):
-    """A layout of t: each head a slice of a wider row, `before` NaN channels ahead of it and `after` behind (q's
-    heads in a projection's output that holds more); `order` as tensors.Layout's."""
-    order: tuple
-    before: int
-    after: int
 
 
 class Plan(NamedTuple):
@@ -168,18 +160,6 @@ def draw_heads_layout(draw, ndim: int, strides: bool, lim):
         return Wide(tuple(draw(st.permutations(range(ndim - 1)))) + (ndim - 1,), draw(st.sampled_from(lim["before"])),
                     draw(st.sampled_from(lim["after"])))
     return draw(layouts(ndim)) if strides else contiguous(ndim)
-
-
-def place_heads(arena, shape, dtype, layout):
-    """N(0, 1) values of `shape` laid out as `layout` says; a Wide one within NaN-filled wider rows (a read or a write
-    past the rows shows as NaN in the result, or as a side effect)."""
-    if not isinstance(layout, Wide):
-        return arena.randn(shape, dtype, layout)
-    values = torch.randn(shape, generator=arena.gen, dtype=torch.float64).to(dtype)
-    nan = float("nan")
-    full = torch.cat([torch.full((*shape[:-1], layout.before), nan, dtype=dtype), values,
-                      torch.full((*shape[:-1], layout.after), nan, dtype=dtype)], dim=-1)
-    return arena.place(full, Layout(layout.order, (0,) * len(shape)))[..., layout.before:layout.before + shape[-1]]
 
 
 def build_tables(p, arena) -> dict:
@@ -320,12 +300,9 @@ class MegatronMLA(Convention):
     def outside(self, plan, caps):
         if plan.dtype not in caps["dtypes"] or plan.table_dtype not in domains.table_dtypes(plan.dtype, caps):
             return f"{plan.dtype} t with {plan.table_dtype} tables"
-        if plan.thd and not caps["thd"]:
-            return "thd (thd)"
-        if plan.cp_size > 1 and not caps["context_parallel"]:
-            return "context parallelism (context_parallel)"
-        if plan.pad and not caps["padding"]:
-            return "padding rows (padding)"
+        why = packing_outside(plan, caps)
+        if why:
+            return why
         if plan.position_ids and not caps["position_ids"]:
             return "position_ids"
         if not caps["strides"] and plan.t_layout != contiguous(3 if plan.thd else 4):
@@ -747,16 +724,32 @@ def packing_classes(arg: str) -> tuple:
                         or not caps["uneven_cp"]))
 
 
+def packing_outside(plan, caps):
+    """What of a plan's packing lies outside the capabilities (thd, context parallelism, padding rows), or None."""
+    if plan.thd and not caps["thd"]:
+        return "thd (thd)"
+    if plan.cp_size > 1 and not caps["context_parallel"]:
+        return "context parallelism (context_parallel)"
+    if plan.pad and not caps["padding"]:
+        return "padding rows (padding)"
+    return None
+
+
+def heads_classes(layout, wide: str, leaf: str) -> tuple:
+    """The classes of a tensor of heads ([s, b, h, d] or [T, h, d]) beyond its dtype and layout: within wider rows
+    (`layout(plan)` a Wide), each format, its token count, one head or several, a batch, a leaf."""
+    return (domains.cls(wide, lambda p, c: isinstance(layout(p), Wide), "strides"),
+            domains.cls("sbhd [s, b, h, d]", lambda p, c: not p.thd),
+            domains.cls("thd [T, h, d]", lambda p, c: p.thd, "thd"),
+            *domains.sizes(lambda p: n_tokens(p), "empty", "tokens"),
+            domains.cls("one head", lambda p, c: p.h == 1),
+            domains.cls("several heads", lambda p, c: p.h > 1),
+            domains.cls("sbhd batch > 1", lambda p, c: not p.thd and p.b > 1),
+            domains.cls(leaf, lambda p, c: p.leaf, "leaf"))
+
 MegatronMLA.DOMAIN = {
     "t": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("t"),
-          domains.cls("a head within a wider row", lambda p, c: isinstance(p.t_layout, Wide), "strides"),
-          domains.cls("sbhd [s, b, h, d]", lambda p, c: not p.thd),
-          domains.cls("thd [T, h, d]", lambda p, c: p.thd, "thd"),
-          *domains.sizes(lambda p: n_tokens(p), "empty", "tokens"),
-          domains.cls("one head", lambda p, c: p.h == 1),
-          domains.cls("several heads", lambda p, c: p.h > 1),
-          domains.cls("sbhd batch > 1", lambda p, c: not p.thd and p.b > 1),
-          domains.cls("a leaf that requires grad (backward)", lambda p, c: p.leaf, "leaf")),
+          *heads_classes(lambda p: p.t_layout, "a head within a wider row", "a leaf that requires grad (backward)")),
     "cos": _tables_domain("cos"),
     "sin": _tables_domain("sin"),
     "nope_dim": (domains.cls("0 (the whole head rotated)", lambda p, c: p.nope == 0),

@@ -39,13 +39,12 @@ from .. import accuracy
 from ..compare import assert_bitwise
 from ..contract import Returned
 from ..run import make_case
-from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
+from ..tensors import DTYPES, Layout, Wide, contiguous, layouts, place_heads, seeds
 from . import Case, Convention, Expect, domains, small
 from .hf import refusing
 from .hf_deepseek_v3 import deinterleave, interleave
 from .megatron_mla import (
     MegatronMLA,
-    Wide,
     bad_flags_and_tables,
     bad_packing,
     build_tables,
@@ -55,12 +54,13 @@ from .megatron_mla import (
     drawn_ranks,
     gaussian,
     grads,
+    heads_classes,
     limits,
     n_tokens,
     other_device,
     packed_plan,
     packing_classes,
-    place_heads,
+    packing_outside,
     quarter_turns,
     rotated_pairs,
     sequences_alone,
@@ -248,12 +248,9 @@ class MegatronMLAKV(Convention):
             return f"{plan.dtype} kv with {plan.table_dtype} tables"
         if plan.pe_dtype != plan.dtype and not (caps["pe_dtypes"] and plan.pe_dtype in caps["dtypes"]):
             return f"{plan.pe_dtype} k_pos_emb with {plan.dtype} kv (pe_dtypes)"
-        if plan.thd and not caps["thd"]:
-            return "thd (thd)"
-        if plan.cp_size > 1 and not caps["context_parallel"]:
-            return "context parallelism (context_parallel)"
-        if plan.pad and not caps["padding"]:
-            return "padding rows (padding)"
+        why = packing_outside(plan, caps)
+        if why:
+            return why
         if plan.remove_interleaving and not caps["remove_interleaving"]:
             return "remove_interleaving"
         if plan.out_layout is not None and not caps["out_key"]:
@@ -518,14 +515,7 @@ def _buffer_classes(arg: str) -> tuple:
 
 MegatronMLAKV.DOMAIN = {
     "kv": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("kv"),
-           domains.cls("heads within wider rows", lambda p, c: isinstance(p.kv_layout, Wide), "strides"),
-           domains.cls("sbhd [s, b, h, d]", lambda p, c: not p.thd),
-           domains.cls("thd [T, h, d]", lambda p, c: p.thd, "thd"),
-           *domains.sizes(lambda p: n_tokens(p), "empty", "tokens"),
-           domains.cls("one head", lambda p, c: p.h == 1),
-           domains.cls("several heads", lambda p, c: p.h > 1),
-           domains.cls("sbhd batch > 1", lambda p, c: not p.thd and p.b > 1),
-           domains.cls("leaves that require grad (backward)", lambda p, c: p.leaf, "leaf")),
+           *heads_classes(lambda p: p.kv_layout, "heads within wider rows", "leaves that require grad (backward)")),
     "k_pos_emb": (domains.cls("kv's dtype", lambda p, c: p.pe_dtype == p.dtype),
                   domains.cls("another dtype than kv's", lambda p, c: p.pe_dtype != p.dtype, "pe_dtypes"),
                   *domains.layouts("k_pos_emb"),
