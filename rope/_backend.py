@@ -35,10 +35,10 @@ class Call:
 
     __slots__ = ("layout", "tensor_format", "interleaved", "has_start", "cp_size", "cp_rank", "checks_values",
                  "empty", "plans", "others", "schedule", "permute",
-                 "inverse", "tail_first")
+                 "inverse", "tail_first", "keep_order")
 
     def __init__(self, layout, tensor_format, interleaved, start_positions=None, cu_seqlens=None, cp_size=1,
-                 cp_rank=0, schedule=None, permute=False, inverse=False, tail_first=False):
+                 cp_rank=0, schedule=None, permute=False, inverse=False, tail_first=False, keep_order=False):
         # schedule: the forward's rounding, None (float32 math, one rounding), "eager" or "float32" (SCHEDULES); the
         # backward is the default's. permute: pairs read interleaved and written half-split (DeepSeek-V3's form)
         self.layout, self.tensor_format, self.interleaved = layout, tensor_format, interleaved
@@ -46,6 +46,9 @@ class Call:
         self.schedule, self.permute, self.inverse = schedule, permute, inverse
         # tail_first: the rotated channels are the head's last rot_dim, the channels before them copied (DeepSeek-V4)
         self.tail_first = tail_first
+        # keep_order: an output out of place keeps the memory order of its input where that input is a permuted
+        # contiguous tensor, as PyTorch's elementwise operations do (else it is contiguous)
+        self.keep_order = keep_order
         self.has_start, self.cp_size, self.cp_rank = start_positions is not None, cp_size, cp_rank
         self.checks_values = start_positions is not None or cu_seqlens is not None
         self.empty = layout.s * layout.b * layout.h * layout.d == 0

@@ -83,8 +83,9 @@ _NORM_FWD_MAXNREG = 96
 
 
 def empty(x: torch.Tensor, dense: bool = False) -> torch.Tensor:
-    """A new contiguous output for `x` (`nan_outputs` replaces it). `dense`: x has exactly a contiguous
-    tensor's strides (`Plan.dense`), so `empty_like` may keep x's layout, which is the cheapest call."""
+    """A new contiguous output for `x` (`nan_outputs` replaces it). `dense`: the plan's output has x's strides
+    (`Plan.dense`: x is contiguous, or a permuted contiguous tensor where the call keeps x's memory order), which
+    `empty_like` keeps."""
     return torch.empty_like(x) if dense else torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -94,7 +95,8 @@ def nan_outputs():
     knows every element was written (tests and the benchmark's accuracy check use it)."""
     global empty
     saved = empty
-    empty = lambda x, dense=False: torch.full_like(x, float("nan"), memory_format=torch.contiguous_format)  # noqa: E731
+    empty = lambda x, dense=False: torch.full_like(  # noqa: E731
+        x, float("nan"), memory_format=torch.preserve_format if dense else torch.contiguous_format)
     try:
         yield
     finally:
@@ -245,6 +247,11 @@ def _dense(x: torch.Tensor, tensor_format: str) -> bool:
     return _roles(x, tensor_format) == _out_roles(x, tensor_format, False)
 
 
+def _ordered(x: torch.Tensor) -> bool:
+    """Whether x is a permuted contiguous tensor (dense, no overlap), whose strides `empty_like` keeps."""
+    return torch.empty_like(x, device="meta").stride() == x.stride()
+
+
 def _large(tensor_bytes: int, device) -> bool:
     """Whether the tensors exceed what the GPU's threads hold in flight at 32 bytes each."""
     return tensor_bytes > _sm_count(device) * _THREADS_PER_SM * _TABLE_BYTES_PER_THREAD
@@ -355,7 +362,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
               cp_size: int, cp_rank: int, angles: Angles, backward: bool, inplace: bool = False,
               pos_table: bool = False, k: torch.Tensor | None = None, pos_strides: tuple = (0, 1, 0),
               norm: int = 0, eps: float = 0.0, saved: tuple = (), schedule: str | None = None,
-              permute: bool = False, tail_first: bool = False) -> Plan:
+              permute: bool = False, tail_first: bool = False, keep_order: bool = False) -> Plan:
     """The plan for x, or with `k` for x = q and k in one launch (same tokens, head dim and dtype; head
     counts may differ). `angles`: what the kernel reads (`Angles`); `pos_table`: the kernel's
     cu_seqlens_or_positions argument holds one position per token, at the (stream, s, b) strides `pos_strides`.
@@ -366,7 +373,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     expression run eagerly in the output dtype (`EAGER`: each operand, product and the sum rounded to it).
     `backward` is the direction (a call's `inverse` forward runs backward). `permute`: pairs read interleaved and
     written half-split, the backward the other way round (`PERMUTE`). `tail_first`: the rotated channels are the
-    head's last `layout.rot_dim`, and the channels before them are copied (`ROT_START`)."""
+    head's last `layout.rot_dim`, and the channels before them are copied (`ROT_START`). `keep_order`: a new output
+    keeps the memory order of a tensor that is a permuted contiguous one (`_ordered`)."""
     tensors = (x,) if k is None else (x, k)
     table = angles.table
     # angles differ per batch entry: a group is one (s, b) pair
@@ -408,7 +416,9 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
                    chunks)
     kernel = rope_kernel if k is None else rope_qk_kernel
     names = ("x", "out") if k is None else ("q", "q_out", "k", "k_out")
-    outs = (_out_roles(t, tensor_format, inplace) for t in tensors)
+    ordered = tuple(keep_order and not inplace and _ordered(t) for t in tensors)
+    outs = (_roles(t, tensor_format) if o else _out_roles(t, tensor_format, inplace)
+            for t, o in zip(tensors, ordered, strict=True))
     roles = [r for t, o in zip(tensors, outs, strict=True) for r in (_roles(t, tensor_format), o)]
     args = dict(
         rows_per_program=rows_per_program, n_groups=n_groups, inner=inner, seq_len=layout.s, n_seqs=layout.n_seqs,
@@ -432,7 +442,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
                     **_magic_args(qheads=layout.h, kheads=k.shape[-2]))
         if not norm:
             args.update(QK=True)
-    dense = tuple(_dense(t, tensor_format) for t in tensors)
+    dense = tuple(o or _dense(t, tensor_format) for t, o in zip(tensors, ordered, strict=True))
     pdl = PDL and x.is_cuda and not norm
     if not norm:
         args.update(PDL=pdl, EAGER=schedule == "eager", PERMUTE=(2 if backward else 1) if permute else 0,
@@ -507,7 +517,7 @@ def plan_for(call, x, angles, backward, inplace=False, pos_table=False, k=None, 
         plan = make_plan(x, call.layout, call.tensor_format, call.interleaved, call.has_start, call.cp_size,
                          call.cp_rank, angles, backward != call.inverse, inplace, pos_table, k, pos_strides,
                          schedule=None if backward else call.schedule,
-                         permute=call.permute, tail_first=call.tail_first)
+                         permute=call.permute, tail_first=call.tail_first, keep_order=call.keep_order)
         call.plans[key] = plan
     return plan
 

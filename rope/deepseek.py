@@ -42,7 +42,7 @@ def _call(views, reads, flags) -> Call:
     b, s, h, d = views[0].shape
     r = 2 * reads[0].shape[-1]
     return Call(Layout(s=s, b=b, h=h, d=d, rot_dim=r, freqs_len=s), tensor_format="bshd", interleaved=True,
-                tail_first=r < d)
+                tail_first=r < d, keep_order=True)
 
 
 def _reads(call, reads, flags) -> tuple:

@@ -85,7 +85,7 @@ def _layout(ts, reads, flags) -> Layout:
 
 def _call(ts, reads, flags) -> Call:
     return Call(_layout(ts, reads, flags), tensor_format=flags[0], interleaved=flags[1], start_positions=reads[2],
-                cu_seqlens=reads[3])
+                cu_seqlens=reads[3], keep_order=True)
 
 
 def _reads(call, reads, flags) -> tuple:

@@ -107,7 +107,7 @@ def _rotate(xs, cos, sin, unsqueeze_dim, interleaved=False, streams=None, schedu
 def _call(views, reads, flags) -> Call:
     b, s, h, d = views[0].shape
     return Call(Layout(s=s, b=b, h=h, d=d, rot_dim=reads[0].shape[-1], freqs_len=s), tensor_format="bshd",
-                interleaved=flags[0], schedule=flags[2], permute=flags[3])
+                interleaved=flags[0], schedule=flags[2], permute=flags[3], keep_order=True)
 
 
 def _reads(call, reads, flags) -> tuple:
