@@ -8,12 +8,13 @@ GPU µs per call.
   (`torch.autograd.grad` from random upstream gradients). `clone` copies q_rot and k_rot (the bytes the call reads
   and writes); "plain q+k" is `rope.hf.apply_rotary_pos_emb` on the same views, the decode target's reference.
 - DeepSeek-V4 (`rope.deepseek.apply_rotary_pos_emb`): x [b, 128, s, 512] with the trailing 64 channels rotated,
-  cos/sin [b, s, 32]; the result is a new tensor of x's shape, so `clone` of x is its byte count.
+  cos/sin [b, s, 32]; the result is a new tensor of x's shape, so `clone` of x is its byte count, and a one-pass
+  Triton copy of x (its rows of 512 channels) the same bytes at a kernel's copy bandwidth.
 
 Every rope output is first compared with transformers' function run in float64 on the same values (within two
 roundings of bf16 of each row's largest value); where transformers lacks the model, the column says so.
 
-    python benchmarks/deepseek.py
+    python benchmarks/deepseek.py [v3] [v4]       # both forms where none is named
 """
 import importlib
 import pathlib
@@ -138,8 +139,9 @@ def v3(theirs, compiled):
 
 def v4(theirs, compiled):
     print("\nDeepSeek-V4, x 128 heads of 512, trailing 64 rotated, bf16 (µs)")
-    print("| case | rope | transformers | compiled | clone of x | rope / clone |")
-    print("|---|---|---|---|---|---|")
+    print("| case | rope | transformers | compiled | clone of x | one-pass Triton copy of x | clone / rope | "
+          "Triton copy / rope |")
+    print("|---|---|---|---|---|---|---|---|")
     for b, s, name in ((1, 4096, "prefill 4K"), (64, 1, "decode 64")):
         x, cos, sin = v4_inputs(b, s)
         if theirs is not None:
@@ -147,16 +149,20 @@ def v4(theirs, compiled):
                   f"V4 {name}")
         ours = best(lambda: rope.deepseek.apply_rotary_pos_emb(x, cos, sin))  # noqa: B023
         copy = best(lambda: x.clone())  # noqa: B023
+        rows = x.view(-1, x.shape[-2], x.shape[-1])
+        assert torch.equal(strided_copy((rows,), 16)[0], x.reshape(-1, x.shape[-1])), "the Triton copy is wrong"
+        kernel_copy = min(best(lambda n=n: strided_copy((rows,), n)) for n in (4, 8, 16, 64))  # noqa: B023
         t = cell(theirs, lambda f: lambda: f(x, cos, sin))  # noqa: B023
         c = cell(compiled, lambda f: lambda: f(x, cos, sin))  # noqa: B023
-        print(f"| {name} | {ours:.2f} | {t} | {c} | {copy:.2f} | {copy / ours:.3f} |", flush=True)
+        print(f"| {name} | {ours:.2f} | {t} | {c} | {copy:.2f} | {kernel_copy:.2f} | {copy / ours:.3f} | "
+              f"{kernel_copy / ours:.3f} |", flush=True)
         xg, cos, sin = v4_inputs(b, s, grad=True)
         ups = [torch.randn(xg.shape, device=DEV, dtype=BF)]
         ours = best(with_grad(lambda *a: (rope.deepseek.apply_rotary_pos_emb(*a),), (xg, cos, sin), ups))
         t = cell(theirs, lambda f: with_grad(lambda *a: (f(*a),), (xg, cos, sin), ups))  # noqa: B023
         c = cell(compiled, lambda f: with_grad(lambda *a: (f(*a),), (xg, cos, sin), ups))  # noqa: B023
-        print(f"| {name}, forward + backward | {ours:.2f} | {t} | {c} | {2 * copy:.2f} (two clones) | "
-              f"{2 * copy / ours:.3f} |", flush=True)
+        print(f"| {name}, forward + backward | {ours:.2f} | {t} | {c} | {2 * copy:.2f} (two) | "
+              f"{2 * kernel_copy:.2f} (two) | {2 * copy / ours:.3f} | {2 * kernel_copy / ours:.3f} |", flush=True)
 
 
 def main():
@@ -164,8 +170,11 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__, __import__("triton").__version__, transformers.__version__)
     v3_fn = peer("deepseek_v3.modeling_deepseek_v3", "apply_rotary_pos_emb_interleave")
     v4_fn = peer("deepseek_v4.modeling_deepseek_v4", "apply_rotary_pos_emb")
-    v3(v3_fn, torch.compile(v3_fn) if v3_fn is not None else None)
-    v4(v4_fn, torch.compile(v4_fn) if v4_fn is not None else None)
+    forms = sys.argv[1:] or ["v3", "v4"]
+    if "v3" in forms:
+        v3(v3_fn, torch.compile(v3_fn) if v3_fn is not None else None)
+    if "v4" in forms:
+        v4(v4_fn, torch.compile(v4_fn) if v4_fn is not None else None)
 
 
 if __name__ == "__main__":
