@@ -620,7 +620,8 @@ def check_norm(q, q_weight, k_weight, eps, names=("q_weight", "k_weight")) -> No
         raise ValueError(f"eps: expected a finite number > 0, got {eps!r}")
 
 
-def check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, interleaved, gemma) -> None:
+def check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, interleaved, gemma,
+                     schedule=None) -> None:
     """`rope.qknorm.apply`'s arguments (static: `rope._backend.check_once` runs it once per signature)."""
     if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in _SHAPES:
         raise ValueError(f"unsqueeze_dim: expected 1 (q, k as {_SHAPES[1]}) or 2 ({_SHAPES[2]}), got {unsqueeze_dim!r}")
@@ -637,6 +638,25 @@ def check_table_call(q, k, q_weight, k_weight, cos, sin, eps, unsqueeze_dim, int
     if cos.dim() != 3 or cos.shape[1] != s or cos.shape[0] not in (1, b):
         raise ValueError(f"cos: expected shape [b, s, rot] with b = {b} or 1, s = {s}, got {tuple(cos.shape)}")
     check_rotary_width(cos.shape[-1], d, "cos")
+    check_norm_schedule(schedule, q, (("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin)))
+
+
+def check_norm_schedule(schedule, q, same_dtype) -> None:
+    """QK norm's schedules: None, or "eager" with the weights and tables in q's dtype (a model's, whose eager
+    expression keeps it) and rows that PyTorch's CUDA reduction reads from an aligned start (d < 128 or a
+    multiple of 4)."""
+    if schedule is None:
+        return
+    if schedule != "eager":
+        raise ValueError(f"schedule: expected None or 'eager' (QK norm has no other), got {schedule!r}")
+    for name, t in same_dtype:
+        if t.dtype != q.dtype:
+            raise ValueError(f"schedule: 'eager' reproduces a model run in one dtype: {name} is {t.dtype}, q "
+                             f"{q.dtype}")
+    d = q.shape[-1]
+    if d >= 128 and d % 4:
+        raise ValueError(f"schedule: 'eager' needs a head dim below 128 or a multiple of 4 (PyTorch's CUDA "
+                         f"reduction reads rows from d = 128 on as vectors of 4 from an aligned start), got {d}")
 
 
 def check_freqs_call(q, k, q_weight, k_weight, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size,

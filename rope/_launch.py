@@ -18,6 +18,7 @@ from . import _memo
 from ._cuda import raw_stream
 from ._table import cos_sin_table, token_positions
 from .kernels import rope_cache_kernel, rope_kernel, rope_qk_kernel, rope_qknorm_kernel
+from .reference import torch_row_reduction
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -451,8 +452,12 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         items = n_groups * chunks
         progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items
         saved_roles = [_roles(t, tensor_format) for t in saved] if saved else [(0,) * 4] * 2
+        (lanes_q, vec, factor_q), (lanes_k, _, factor_k) = (torch_row_reduction(t.numel() // layout.d, layout.d)
+                                                            for t in tensors)
         args.update(n_items=items, n_progs=max(progs, 1), eps=float(eps), NORM=norm,
-                    q_input_strides=tuple(saved_roles[0]), k_input_strides=tuple(saved_roles[1]))
+                    q_input_strides=tuple(saved_roles[0]), k_input_strides=tuple(saved_roles[1]),
+                    EAGER=schedule == "eager", LANES_Q=lanes_q, LANES_K=lanes_k, VEC=vec, factor_q=factor_q,
+                    factor_k=factor_k)
         cap = _NORM_FWD_MAXNREG if not backward and x.is_cuda and x.element_size() == 2 and not interleaved else None
         return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, NORM_POINTERS, args), num_warps,
                     x.device, dense, None if cap is None else dict(maxnreg=cap))
@@ -618,7 +623,8 @@ def _norm_plan(call, q, k, angles, backward, inplace, pos_table, pos_strides, in
     plan = call.plans.get(key)
     if plan is None:
         plan = make_plan(q, call.layout, call.tensor_format, call.interleaved, call.has_start, call.cp_size,
-                         call.cp_rank, angles, backward, inplace, pos_table, k, pos_strides, norm, eps, saved)
+                         call.cp_rank, angles, backward, inplace, pos_table, k, pos_strides, norm, eps, saved,
+                         schedule=None if backward else call.schedule)
         call.plans[key] = plan
     return plan
 

@@ -22,37 +22,44 @@ from .qknorm_te import apply_freqs
 from .reference import norm_rope as reference_norm_rope
 
 
-def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interleaved=False, gemma=False):
+def apply(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interleaved=False, gemma=False, *,
+          schedule=None):
     """RoPE(RMSNorm(q) * q_weight) and the same for k, transformers' layouts: q [b, hq, s, d] after the
     attention's transpose (unsqueeze_dim=1) or [b, s, hq, d] before it (unsqueeze_dim=2); cos, sin [b or 1, s,
     rot] as transformers' rotary module returns them (rot <= d even: partial rotary over the first rot channels;
-    interleaved: pairs (2i, 2i + 1)). gemma: Gemma's (1 + w). New tensors, in q's layout."""
+    interleaved: pairs (2i, 2i + 1)). gemma: Gemma's (1 + w). New tensors, in q's layout. `schedule="eager"`: the
+    forward bitwise Qwen3RMSNorm (Gemma3RMSNorm with gemma) and transformers' rotation run eagerly by PyTorch's CUDA
+    kernels, the norm's mean reduced in their order (docs/contract.md, "Schedules"); the backward is the
+    default's."""
     seen = check_once("qknorm.apply", check_table_call, (q, k, q_weight, k_weight, cos, sin),
-                      (eps, unsqueeze_dim, interleaved, gemma))
+                      (eps, unsqueeze_dim, interleaved, gemma, schedule))
     qv, kv = (q.transpose(1, 2), k.transpose(1, 2)) if unsqueeze_dim == 1 else (q, k)
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     qo, ko = dispatch(QKNORM, (qv, kv, q_weight.contiguous(), k_weight.contiguous()), (cos, sin),
-                      (interleaved, gemma, eps), seen=seen)
+                      (interleaved, gemma, eps, schedule), seen=seen)
     return (qo.transpose(1, 2), ko.transpose(1, 2)) if unsqueeze_dim == 1 else (qo, ko)
 
 
 def _call(ts, reads, flags) -> Call:
     b, s, hq, d = ts[0].shape
     return Call(Layout(s=s, b=b, h=hq, d=d, rot_dim=reads[0].shape[-1], freqs_len=s), tensor_format="bshd",
-                interleaved=flags[0])
+                interleaved=flags[0], schedule=flags[3])
 
 
 def _reads(call, reads, flags) -> tuple:
     cos, sin = reads
-    interleaved, gemma, eps = flags
+    interleaved, gemma, eps, _ = flags
     return table_angles(cos, sin, half=False, per_batch=cos.shape[0] > 1), None, None, False, 1 + gemma, eps
 
 
 def _reference(ts, reads, flags, backward) -> tuple:
     qv, kv, q_weight, k_weight = ts
-    interleaved, gemma, eps = flags
+    interleaved, gemma, eps, schedule = flags
     c, s = reads[0].unsqueeze(2), reads[1].unsqueeze(2)
+    if schedule == "eager" and not backward:
+        return tuple(reference.norm_rope_eager(x, w, eps, gemma, c, s, interleaved)
+                     for x, w in ((qv, q_weight), (kv, k_weight)))
     return tuple(reference_norm_rope(x, w, eps, gemma, c, s, interleaved) for x, w in ((qv, q_weight), (kv, k_weight)))
 
 

@@ -215,6 +215,57 @@ def norm_rope(x, weight, eps, gemma, cos, sin, interleaved):
     return rotate(n * w, cos, sin, interleaved).to(x.dtype)
 
 
+def torch_row_reduction(rows: int, d: int) -> tuple:
+    """(threads per row, channels per load, the mean's factor) of PyTorch's CUDA reduction of a contiguous float32
+    [rows, d] tensor over its last dim, as `x.pow(2).mean(-1)` runs it (ATen's Reduce.cuh, setReduceConfig and
+    set_block_dimension, torch 2.10 and later: 512 threads a block; rows read as vectors of 4 from d = 128 on; the
+    mean multiplies the sum by float32(rows) / float32(rows * d))."""
+    vec = 4 if d >= 128 else 1
+    width, rows = d // vec, max(rows, 1)
+    width_pow2 = min(1 << (width.bit_length() - 1), 512)
+    rows_pow2 = min(1 << (rows.bit_length() - 1), 512)
+    height = min(rows_pow2, 512 // min(width_pow2, 32))
+    f32 = torch.float32
+    factor = (torch.tensor(float(rows), dtype=f32) / torch.tensor(float(rows * d), dtype=f32)).item()
+    return min(width_pow2, 512 // height), vec, factor
+
+
+def cuda_mean_of_squares(xf):
+    """`xf.pow(2).mean(-1)` of float32 xf [..., d] in the order of PyTorch's CUDA kernels (`torch_row_reduction`
+    for xf's rows): thread j of a row's `lanes` sums its channels (j, j + lanes, ...: the m-th into accumulator
+    m % 4; vectorized, channel i of its vectors j, j + lanes, ... into accumulator i), then ((a0 + a1) + a2) + a3;
+    the threads' sums are folded in half (lane j adds lane j + h, h = lanes / 2, ..., 1); times the factor. Each
+    float32 addition here is one of PyTorch's, on any device."""
+    d = xf.shape[-1]
+    lanes, vec, factor = torch_row_reduction(xf.numel() // max(d, 1), d)
+    steps = -(-d // (4 * lanes))
+    sq = torch.nn.functional.pad(xf * xf, (0, steps * 4 * lanes - d))
+    if vec == 4:  # column 4 (j + k lanes) + i
+        parts = sq.unflatten(-1, (steps, lanes, 4)).movedim(-1, -2)  # [..., k, i, j]
+    else:  # column j + (4 k + i) lanes
+        parts = sq.unflatten(-1, (steps, 4, lanes))
+    thread = torch.zeros_like(parts[..., 0, 0, :])
+    for i in range(4):
+        acc = torch.zeros_like(thread)
+        for k in range(steps):
+            acc = acc + parts[..., k, i, :]
+        thread = thread + acc
+    while thread.shape[-1] > 1:
+        half = thread.shape[-1] // 2
+        thread = thread[..., :half] + thread[..., half:]
+    return thread[..., 0] * factor
+
+
+def norm_rope_eager(x, weight, eps, gemma, cos, sin, interleaved):
+    """`norm_rope`'s eager schedule: Qwen3RMSNorm (Gemma3RMSNorm with `gemma`) and transformers' rotation as eager
+    PyTorch runs them on CUDA: the mean as `cuda_mean_of_squares`, `rsqrt`, Qwen3's `weight * (x * r).to(dtype)`
+    or Gemma's `(x * r * (1 + weight.float())).to(dtype)`, then `rotate_eager` in x's dtype."""
+    xf = x.float()
+    h = xf * torch.rsqrt(cuda_mean_of_squares(xf).unsqueeze(-1) + eps)
+    y = (h * (1.0 + weight.float())).to(x.dtype) if gemma else weight * h.to(x.dtype)
+    return rotate_eager(y, cos, sin, interleaved)
+
+
 def rotate_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, interleaved, fp8=False, k_scale=None,
                      v_scale=None) -> None:
     """The definition of RoPE fused with the KV-cache write (`rope.serving`): q and k rotated in place at `positions`

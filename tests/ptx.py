@@ -28,7 +28,7 @@ from rope import kernels
 CONSTEXPRS = ("HEAD_DIM", "ROT_DIM", "INTERLEAVED", "BACKWARD", "IS_THD", "GROUP_PER_BATCH", "HAS_START", "USE_CP",
               "BLOCK_R", "BLOCK_HALF", "BLOCK_TAIL", "RNE_BF16", "PIN", "INPLACE", "TABLE", "SPLIT", "FANOUT",
               "POS_TABLE", "HALF_TABLE", "MROPE", "SEC0", "SEC1", "SEC2", "QK", "PDL", "NORM", "BLOCK_D", "FP8",
-              "FP8_BITS", "EAGER", "PERMUTE", "ROT_START", "MULTI_TILE")
+              "FP8_BITS", "EAGER", "PERMUTE", "ROT_START", "MULTI_TILE", "LANES_Q", "LANES_K", "VEC")
 # pointer types other than the tensors' dtype (cache kernel: the caches are e4m3 with fp8), by the pointer's role
 POINTERS = {"cos_or_freqs_ptr": "*fp32", "start_positions_ptr": "*i32", "weight_grad_partials_ptr": "*fp32",
             "slot_mapping_ptr": "*i64", "positions_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
@@ -52,7 +52,7 @@ def _pointer_role(kernel, name: str) -> str:
 def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=False, backward=False, thd=False,
                     start=False, cp=False, inplace=False, block_r=8, num_warps=2, table=False, split=False,
                     pos_table=False, mrope=0, sections=(0, 0, 0), pdl=False, norm=0, fp8=False,
-                    eager=False, permute=0, rot_start=0, multi_tile=True):
+                    eager=False, permute=0, rot_start=0, multi_tile=True, lanes=(32, 32)):
     block_half = triton.next_power_of_2(d2 // 2)
     block_tail = triton.next_power_of_2(d - d2) if d > d2 else 0
     if norm:
@@ -63,7 +63,8 @@ def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=Fa
                   TABLE=table, SPLIT=split, FANOUT=32 if thd and not pos_table else 1,
                   POS_TABLE=pos_table, HALF_TABLE=False, MROPE=mrope, SEC0=sections[0], SEC1=sections[1],
                   SEC2=sections[2], QK=True, PDL=pdl, NORM=norm, BLOCK_D=triton.next_power_of_2(d), FP8=fp8,
-                  FP8_BITS=False, EAGER=eager, PERMUTE=permute, ROT_START=rot_start, MULTI_TILE=multi_tile)
+                  FP8_BITS=False, EAGER=eager, PERMUTE=permute, ROT_START=rot_start, MULTI_TILE=multi_tile,
+                  LANES_Q=lanes[0], LANES_K=lanes[1], VEC=4 if d >= 128 else 1)
     values = {name: v for name, v in values.items() if name in kernel.arg_names}  # an older kernel may lack some
     cache_type = "*fp8e4nv" if fp8 else "*" + dtype
     signature, constexprs, attrs = {}, dict(values), {}
@@ -88,7 +89,7 @@ def compile_variant(kernel, arch=90, dtype="bf16", d=128, d2=128, interleaved=Fa
         elif name.startswith("stride") and name.endswith("d"):  # last-dim strides of contiguous tensors
             signature[name] = "constexpr"
             constexprs[name] = 1
-        elif name == "eps":
+        elif name in ("eps", "factor_q", "factor_k"):
             signature[name] = "fp32"
         else:
             # divisor constants are int64 whatever their value (`rope._launch.magic`), as Triton passes them

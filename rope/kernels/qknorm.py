@@ -20,7 +20,7 @@ from ._common import (
     _store_tail,
     _tile_ptrs,
 )
-from .rope import QK_COUNTS
+from .rope import QK_COUNTS, _in_output
 
 _NORM_COUNTS = QK_COUNTS + ["n_items", "n_progs"]
 
@@ -46,6 +46,53 @@ def _inv_rms(xa, xb, xt, eps, HEAD_DIM: tl.constexpr):
     """r = rsqrt(mean(x^2) + eps) per row, as a [rows, 1] column (float32)."""
     ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1) + tl.sum(xt * xt, axis=1)
     return tl.rsqrt(ss / HEAD_DIM + eps)[:, None]
+
+
+@triton.jit
+def _eager_sum_of_squares(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, HEAD_DIM: tl.constexpr,
+                          LANES: tl.constexpr, VEC: tl.constexpr):
+    """Each row's sum of x^2 (float32) in the order of PyTorch's CUDA reduction of `x.float().pow(2).mean(-1)` over
+    rows of HEAD_DIM channels (ATen's Reduce.cuh, torch 2.10 and later; docs/design.md): LANES threads share a row.
+    Without vectorized loads (VEC 1) thread j takes channels j, j + LANES, ..., its m-th into accumulator m % 4;
+    with them (VEC 4, HEAD_DIM >= 128) vectors j, j + LANES, ... of 4 channels, channel i of each into accumulator
+    i. A thread's sum is ((a0 + a1) + a2) + a3, each accumulator starting at 0; then the threads' sums are folded in
+    half, lane j adding lane j + h for h = LANES / 2, ..., 1. Channels past the head add 0, which changes no sum."""
+    lanes = tl.arange(0, LANES)
+    thread = tl.zeros((in_q.shape[0], LANES), tl.float32)
+    for i in tl.static_range(4):
+        acc = tl.zeros((in_q.shape[0], LANES), tl.float32)
+        for step in tl.static_range((HEAD_DIM + 4 * LANES - 1) // (4 * LANES)):
+            if VEC == 4:
+                cols = (lanes + step * LANES) * 4 + i
+            else:
+                cols = lanes + (4 * step + i) * LANES
+            x = tl.load(_tile_ptrs(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, cols=cols,
+                                   stride_qd=stride_qd, stride_kd=stride_kd),
+                        mask=rows_ok[:, None] & (cols < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+            acc = acc + x * x
+        thread = thread + acc  # 0 + a0 is a0: the squares are not negative
+    for _ in tl.static_range(10):  # LANES <= 512 = 2^9 halvings, the rest skipped at compile time
+        if thread.shape[1] > 1:
+            low, high = tl.split(tl.permute(tl.reshape(thread, (thread.shape[0], 2, thread.shape[1] // 2)),
+                                            (0, 2, 1)))
+            thread = low + high
+    return tl.reshape(thread, (thread.shape[0],))
+
+
+@triton.jit
+def _eager_inv_rms(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, eps, factor_q, factor_k,
+                   HEAD_DIM: tl.constexpr, LANES_Q: tl.constexpr, LANES_K: tl.constexpr, VEC: tl.constexpr):
+    """r = rsqrt(mean(x^2) + eps) per row as PyTorch's CUDA kernels compute it, as a [rows, 1] column: the sum
+    (`_eager_sum_of_squares`, q's rows and k's each with their own tensor's thread count), times the mean's factor
+    float32(rows) / float32(rows * HEAD_DIM) of its tensor, plus eps, then the approximate rsqrt (`rsqrtf`)."""
+    ss = _eager_sum_of_squares(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, rows_ok=rows_ok,
+                               stride_qd=stride_qd, stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, LANES=LANES_Q, VEC=VEC)
+    if LANES_K != LANES_Q:
+        ss_k = _eager_sum_of_squares(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, rows_ok=rows_ok,
+                                     stride_qd=stride_qd, stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, LANES=LANES_K,
+                                     VEC=VEC)
+        ss = tl.where(in_q, ss, ss_k)
+    return tl.rsqrt(ss * tl.where(in_q, factor_q, factor_k) + eps)[:, None]
 
 
 @triton.jit
@@ -92,18 +139,51 @@ def _tile_weights(q_weight_ptr, k_weight_ptr, in_q, rows_ok, HEAD_DIM: tl.conste
 
 @triton.jit
 def _norm_rotate_store(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, xa, xb, xt, cos_a, cos_b, sin_a,
-                       sin_b, q_weight_ptr, k_weight_ptr, eps, out_ty: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       sin_b, q_weight_ptr, k_weight_ptr, eps, x_rows_q, x_rows_k, x_stride_qd, x_stride_kd,
+                       factor_q, factor_k, out_ty: tl.constexpr, HEAD_DIM: tl.constexpr,
                        ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
-                       INPLACE: tl.constexpr, NORM: tl.constexpr):
-    """Forward of a loaded tile of whole heads: RMS-normalise each row, weight it, rotate it, store it."""
-    r = _inv_rms(xa=xa, xb=xb, xt=xt, eps=eps, HEAD_DIM=HEAD_DIM)
+                       INPLACE: tl.constexpr, NORM: tl.constexpr, EAGER: tl.constexpr, LANES_Q: tl.constexpr,
+                       LANES_K: tl.constexpr, VEC: tl.constexpr):
+    """Forward of a loaded tile of whole heads: RMS-normalise each row, weight it, rotate it, store it. EAGER: the
+    schedule of Qwen3's (NORM 1) or Gemma 3's (NORM 2) RMSNorm and transformers' rotation run eagerly on CUDA
+    (docs/contract.md): r as `_eager_inv_rms`; Qwen3 rounds x * r to the output dtype, then w times it; Gemma rounds
+    x * r * (1 + w) once; the rotation takes each product and the sum rounded (`rope_qk_kernel`'s EAGER)."""
+    if EAGER:
+        r = _eager_inv_rms(q_rows_ptr=x_rows_q, k_rows_ptr=x_rows_k, in_q=in_q, rows_ok=rows_ok, stride_qd=x_stride_qd,
+                           stride_kd=x_stride_kd, eps=eps, factor_q=factor_q, factor_k=factor_k, HEAD_DIM=HEAD_DIM,
+                           LANES_Q=LANES_Q, LANES_K=LANES_K, VEC=VEC)
+    else:
+        r = _inv_rms(xa=xa, xb=xb, xt=xt, eps=eps, HEAD_DIM=HEAD_DIM)
     wa, wb, wt = _tile_weights(q_weight_ptr=q_weight_ptr, k_weight_ptr=k_weight_ptr, in_q=in_q, rows_ok=rows_ok,
                                HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_HALF=BLOCK_HALF,
                                BLOCK_TAIL=BLOCK_TAIL, NORM=NORM)
-    ya, yb = xa * r * wa, xb * r * wb
+    if EAGER and NORM == 1:
+        ya = _in_output(v=wa * _in_output(v=xa * r, out_ty=out_ty, RNE_BF16=RNE_BF16), out_ty=out_ty,
+                        RNE_BF16=RNE_BF16)
+        yb = _in_output(v=wb * _in_output(v=xb * r, out_ty=out_ty, RNE_BF16=RNE_BF16), out_ty=out_ty,
+                        RNE_BF16=RNE_BF16)
+        yt = _in_output(v=wt * _in_output(v=xt * r, out_ty=out_ty, RNE_BF16=RNE_BF16), out_ty=out_ty,
+                        RNE_BF16=RNE_BF16)
+    elif EAGER:
+        ya = _in_output(v=xa * r * wa, out_ty=out_ty, RNE_BF16=RNE_BF16)
+        yb = _in_output(v=xb * r * wb, out_ty=out_ty, RNE_BF16=RNE_BF16)
+        yt = xt * r * wt
+    else:
+        ya, yb, yt = xa * r * wa, xb * r * wb, xt * r * wt
+    if EAGER:
+        cos_a = _in_output(v=cos_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
+        cos_b = _in_output(v=cos_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
+        sin_a = _in_output(v=sin_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
+        sin_b = _in_output(v=sin_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
+        out_a = (_in_output(v=ya * cos_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
+                 - _in_output(v=yb * sin_a, out_ty=out_ty, RNE_BF16=RNE_BF16))
+        out_b = (_in_output(v=yb * cos_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
+                 + _in_output(v=ya * sin_b, out_ty=out_ty, RNE_BF16=RNE_BF16))
+    else:
+        out_a, out_b = ya * cos_a - yb * sin_a, yb * cos_b + ya * sin_b
     _store_head(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
-                stride_kd=stride_kd, out_a=ya * cos_a - yb * sin_a, out_b=yb * cos_b + ya * sin_b, out_t=xt * r * wt,
+                stride_kd=stride_kd, out_a=out_a, out_b=out_b, out_t=yt,
                 out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R,
                 BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16, INPLACE=INPLACE)
 
@@ -114,7 +194,7 @@ def rope_qknorm_kernel(
     q_weight_ptr, k_weight_ptr, q_input_ptr, k_input_ptr, weight_grad_partials_ptr,
     q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
     magic_groups, magic_inner, magic_batch, magic_qheads, magic_kheads,
-    seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps,
+    seq_len, n_seqs, freqs_len, cp_size, cp_rank, n_items, n_progs, eps, factor_q, factor_k,
     q_strides, q_out_strides, k_strides, k_out_strides, stride_fs, stride_fb, stride_fd, stride_fm, positions_strides,
     q_input_strides, k_input_strides,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
@@ -122,12 +202,16 @@ def rope_qknorm_kernel(
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
     POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
-    SEC1: tl.constexpr, SEC2: tl.constexpr, NORM: tl.constexpr,
+    SEC1: tl.constexpr, SEC2: tl.constexpr, NORM: tl.constexpr, EAGER: tl.constexpr, LANES_Q: tl.constexpr,
+    LANES_K: tl.constexpr, VEC: tl.constexpr,
 ):
     """q and k of one layer normalised per head (RMSNorm with weights w_q, w_k) and rotated, in one launch
     (forward), or its vector-Jacobian product (BACKWARD: q_ptr and k_ptr hold the output gradients, q_input_ptr and
     k_input_ptr the forward's inputs q and k, strides q_input_strides and k_input_strides), with the programs'
-    partial weight gradients. Pointers, strides and angles as in `rope_qk_kernel`."""
+    partial weight gradients. Pointers, strides and angles as in `rope_qk_kernel`. EAGER (forward): the schedule of
+    the PyTorch expressions run eagerly on CUDA (`_norm_rotate_store`); LANES_Q and LANES_K, the threads PyTorch's
+    reduction gives a row of q and of k (by each tensor's row count), VEC its vectorized loads, factor_q and
+    factor_k its mean's factors."""
     stride_qs, stride_qb, stride_qh, stride_qd = q_strides
     stride_qos, stride_qob, stride_qoh, stride_qod = q_out_strides
     stride_ks, stride_kb, stride_kh, stride_kd = k_strides
@@ -169,10 +253,12 @@ def rope_qknorm_kernel(
             FANOUT=FANOUT, POS_TABLE=POS_TABLE, HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2)
         _norm_rotate_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
                            stride_kd=stride_kod, xa=xa, xb=xb, xt=xt, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
-                           sin_b=sin_b, q_weight_ptr=q_weight_ptr, k_weight_ptr=k_weight_ptr, eps=eps, out_ty=out_ty,
+                           sin_b=sin_b, q_weight_ptr=q_weight_ptr, k_weight_ptr=k_weight_ptr, eps=eps,
+                           x_rows_q=xq, x_rows_k=xk, x_stride_qd=stride_qd, x_stride_kd=stride_kd, factor_q=factor_q,
+                           factor_k=factor_k, out_ty=out_ty,
                            HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R,
                            BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16, INPLACE=INPLACE,
-                           NORM=NORM)
+                           NORM=NORM, EAGER=EAGER, LANES_Q=LANES_Q, LANES_K=LANES_K, VEC=VEC)
         for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
             xq, xk, oq, ok, in_q, rows_ok = _rows(
                 q_ptr=q_ptr, q_out_ptr=q_out_ptr, k_ptr=k_ptr, k_out_ptr=k_out_ptr, q_base=q_base,
@@ -187,9 +273,11 @@ def rope_qknorm_kernel(
             _norm_rotate_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
                                stride_kd=stride_kod, xa=xa, xb=xb, xt=xt, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
                                sin_b=sin_b, q_weight_ptr=q_weight_ptr, k_weight_ptr=k_weight_ptr, eps=eps,
+                               x_rows_q=xq, x_rows_k=xk, x_stride_qd=stride_qd, x_stride_kd=stride_kd,
+                               factor_q=factor_q, factor_k=factor_k,
                                out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
                                BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
-                               INPLACE=INPLACE, NORM=NORM)
+                               INPLACE=INPLACE, NORM=NORM, EAGER=EAGER, LANES_Q=LANES_Q, LANES_K=LANES_K, VEC=VEC)
     else:
         acc_qa = tl.zeros([BLOCK_HALF], tl.float32)
         acc_qb = tl.zeros([BLOCK_HALF], tl.float32)
