@@ -1,7 +1,8 @@
 """rope's schedules (`schedule="eager"` and `"float32"`) against its default, in one process, alternating: CUDA-graph
 replay (50 calls per graph, best of three rounds) and eager calls (median of seven rounds of 300 calls, the wall time
 to the end of the GPU's work). Before timing, each case's eager-schedule output is checked bitwise against the
-PyTorch expression it names (transformers' `apply_rotary_pos_emb`, vLLM's `forward_native`).
+PyTorch expression it names (transformers' `apply_rotary_pos_emb`, vLLM's `forward_native`, Qwen3's RMSNorm of
+q and k then `apply_rotary_pos_emb`).
 
     python benchmarks/schedules.py
 """
@@ -74,12 +75,38 @@ def vllm_cases():
         yield name, calls, same
 
 
+def qwen3_expression(q, k, wq, wk, cos, sin, eps=1e-6):
+    """Qwen3's attention from its projections: q_norm and k_norm (Qwen3RMSNorm) on the [b, s, h, d] views, the
+    transpose, then apply_rotary_pos_emb."""
+    def norm(x, w):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(x.dtype)
+    return transformers_expression(norm(q, wq).transpose(1, 2), norm(k, wk).transpose(1, 2), cos, sin)
+
+
+def qknorm_cases():
+    """Qwen3-8B's QK norm and rotation (32 q and 8 k heads of 128, bf16), q and k the [b, s, h, d] projections."""
+    for b, s, name in ((1, 4096, "QK norm prefill 1 x 4K"), (64, 1, "QK norm decode 64")):
+        q = torch.randn(b, s, 32, 128, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(b, s, 8, 128, device=DEV, dtype=torch.bfloat16)
+        wq, wk = (torch.rand(128, device=DEV, dtype=torch.bfloat16) + 0.5 for _ in range(2))
+        angles = torch.rand(b, s, 64, device=DEV) * 100
+        cos, sin = (f(torch.cat([angles, angles], -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+        calls = {sch: (lambda sch=sch, q=q, k=k, wq=wq, wk=wk, cos=cos, sin=sin:
+                       rope.qknorm.apply(q, k, wq, wk, cos, sin, unsqueeze_dim=2, schedule=sch))
+                 for sch in (None, "eager")}
+        got = [x.transpose(1, 2) for x in calls["eager"]()]
+        same = all(torch.equal(g, w) for g, w in zip(got, qwen3_expression(q, k, wq, wk, cos, sin), strict=True))
+        yield name, calls, same
+
+
 def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__)
-    for name, calls, same in (*transformers_cases(), *vllm_cases()):
-        graph = {s: [] for s in SCHEDULES}
-        eager = {s: [] for s in SCHEDULES}
+    for name, calls, same in (*transformers_cases(), *vllm_cases(), *qknorm_cases()):
+        graph = {s: [] for s in calls}
+        eager = {s: [] for s in calls}
         for _ in range(3):
             for s, fn in calls.items():
                 graph[s].append(graph_us(fn))
@@ -88,10 +115,11 @@ def main():
                 eager[s].append(eager_us(fn)[0])
         g = {s: min(v) for s, v in graph.items()}
         e = {s: statistics.median(v) for s, v in eager.items()}
-        print(f"{name:32s} graph: default {g[None]:7.2f} µs, eager {g['eager']:7.2f} ({g['eager'] / g[None]:.3f}x), "
-              f"float32 {g['float32']:7.2f} ({g['float32'] / g[None]:.3f}x) | eager calls: default {e[None]:7.2f}, "
-              f"eager {e['eager']:7.2f}, float32 {e['float32']:7.2f} | eager schedule bitwise the expression: {same}",
-              flush=True)
+        others = [s for s in calls if s is not None]
+        print(f"{name:32s} graph: default {g[None]:7.2f} µs, "
+              + ", ".join(f"{s} {g[s]:7.2f} ({g[s] / g[None]:.3f}x)" for s in others)
+              + f" | eager calls: default {e[None]:7.2f}, " + ", ".join(f"{s} {e[s]:7.2f}" for s in others)
+              + f" | eager schedule bitwise the expression: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -452,11 +452,14 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         items = n_groups * chunks
         progs = min(items, _NORM_PROGRAMS_PER_SM * _sm_count(x.device)) if backward else items
         saved_roles = [_roles(t, tensor_format) for t in saved] if saved else [(0,) * 4] * 2
-        (lanes_q, vec, factor_q), (lanes_k, _, factor_k) = (torch_row_reduction(t.numel() // layout.d, layout.d)
-                                                            for t in tensors)
+        # the eager schedule's reduction plan (constexprs: fixed where the schedule is not asked for, so that the
+        # default's compiled variants do not follow the row count)
+        eager = schedule == "eager"
+        (lanes_q, vec, factor_q), (lanes_k, _, factor_k) = (
+            torch_row_reduction(t.numel() // layout.d, layout.d) if eager else (1, 1, 1.0) for t in tensors)
         args.update(n_items=items, n_progs=max(progs, 1), eps=float(eps), NORM=norm,
                     q_input_strides=tuple(saved_roles[0]), k_input_strides=tuple(saved_roles[1]),
-                    EAGER=schedule == "eager", LANES_Q=lanes_q, LANES_K=lanes_k, VEC=vec, factor_q=factor_q,
+                    EAGER=eager, LANES_Q=lanes_q, LANES_K=lanes_k, VEC=vec, factor_q=factor_q,
                     factor_k=factor_k)
         cap = _NORM_FWD_MAXNREG if not backward and x.is_cuda and x.element_size() == 2 and not interleaved else None
         return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, NORM_POINTERS, args), num_warps,
