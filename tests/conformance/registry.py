@@ -70,9 +70,15 @@ NAMED = {
     # accuracy model, as transformers' own), "float32" each float32 operation; run with --rope-schedule of the same
     # name for the bitwise verdict
     **{f"rope-{schedule}": {
-        conv: ((path,), {"_keywords": {"schedule": schedule}, **({"accuracy": "dtype"} if schedule == "eager" else {})})
-        for conv, path in (("hf", "rope.hf:apply_rotary_pos_emb"), ("hf-single", "rope.hf:apply_rotary_pos_emb_single"),
-                           ("hf-glm", "rope.hf:apply_rotary_pos_emb_glm"), ("vllm", "rope.vllm:rotary_embedding"))}
+        **{conv: ((path,), {"_keywords": {"schedule": schedule},
+                            **({"accuracy": "dtype"} if schedule == "eager" else {})})
+           for conv, path in (("hf", "rope.hf:apply_rotary_pos_emb"),
+                              ("hf-single", "rope.hf:apply_rotary_pos_emb_single"),
+                              ("hf-glm", "rope.hf:apply_rotary_pos_emb_glm"), ("vllm", "rope.vllm:rotary_embedding"))},
+        # QK norm's eager schedule reproduces a model run in one dtype: weights and tables in q's
+        **({"qknorm": (("rope.qknorm:apply",), {"_keywords": {"schedule": "eager"}, "accuracy": "dtype",
+                                                "weight_dtypes": "q", "float32_tables": False,
+                                                "mixed_tables": False})} if schedule == "eager" else {})}
         for schedule in ("eager", "float32")},
     # transformers evaluates its expression in the activations' dtype; 5.x has no position_ids parameter
     # Llama's and Gemma's functions rotate the whole head (partial rotary is GPT-NeoX's, Phi's, Qwen3-Next's: run those

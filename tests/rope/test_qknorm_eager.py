@@ -2,7 +2,8 @@
 eager PyTorch runs them on CUDA.
 
 On the GPU the oracle is that expression itself, run by PyTorch. On the CPU (Triton's interpreter) it is the CUDA
-kernels' order written out here, row by row, from ATen's Reduce.cuh (torch 2.10 and later): PyTorch's CPU kernels
+kernels' order written out row by row from ATen's Reduce.cuh (torch 2.10 and later; the suite's
+`qknorm_math.cuda_row_mean_of_squares`, which the native `--rope-schedule eager` uses too): PyTorch's CPU kernels
 reduce the mean in another order, so the expression run on the CPU is not the oracle there. The rsqrt of the CPU
 run is PyTorch's CPU rsqrt, as the interpreter's; on CUDA both sides use the approximate instruction.
 """
@@ -14,44 +15,10 @@ import torch
 
 import rope
 
+from ..conformance.spec.qknorm_math import cuda_row_mean_of_squares as _row_variance
 from .cases import DEVICE, ON_GPU, poison_outputs  # noqa: F401
 
 F32 = np.float32
-
-
-def _threads(rows: int, d: int) -> tuple:
-    """(threads per row, channels per load): Reduce.cuh's set_block_dimension for a [rows, d] float32 tensor
-    reduced over d, 512 threads a block, loads of 4 channels from d = 128 on (setReduceConfig)."""
-    vec = 4 if d >= 128 else 1
-    dim0 = d // vec
-    dim0_pow2 = 2 ** int(np.log2(dim0)) if dim0 < 512 else 512
-    dim1_pow2 = 2 ** int(np.log2(rows)) if rows < 512 else 512
-    width = min(dim0_pow2, 32)
-    height = min(dim1_pow2, 512 // width)
-    return min(dim0_pow2, 512 // height), vec
-
-
-def _row_variance(row: np.ndarray, rows: int) -> F32:
-    """mean(row^2) of one row as the CUDA kernel sums it: thread j's accumulators, then the fold of the threads."""
-    d = row.shape[0]
-    width, vec = _threads(rows, d)
-    sq = [F32(v) * F32(v) for v in row]
-    threads = []
-    for j in range(width):
-        acc = [F32(0)] * 4
-        if vec == 4:  # thread j reads vectors j, j + width, ...; channel i of each into accumulator i
-            for v in range(j, d // 4, width):
-                for i in range(4):
-                    acc[i] = F32(acc[i] + sq[4 * v + i])
-        else:  # thread j reads channels j, j + width, ...; the m-th into accumulator m % 4
-            for m, c in enumerate(range(j, d, width)):
-                acc[m % 4] = F32(acc[m % 4] + sq[c])
-        threads.append(F32(F32(F32(acc[0] + acc[1]) + acc[2]) + acc[3]))
-    while len(threads) > 1:
-        half = len(threads) // 2
-        threads = [F32(threads[j] + threads[j + half]) for j in range(half)]
-    factor = F32(F32(rows) / F32(rows * d))
-    return F32(threads[0] * factor)
 
 
 def _rotate_half(x):

@@ -59,6 +59,7 @@ class QKNorm(Convention):
         "gemma": (True, "the gemma keyword (weights 1 + w)"),
         "strides": (True, "views: permuted, padded and expanded tensors"),
         "accuracy": ("float32", "accuracy model (accuracy.py, qknorm_math.py)"),
+        "float32_tables": (True, "cos/sin in float32 with 16-bit q"),
         "mixed_tables": (True, "cos/sin in the other 16-bit dtype than q (float16 with bfloat16, the reverse), or "
                                "16-bit with float32 q"),
         "empty": (True, "s = 0: empty q, k, cos and sin"),
@@ -79,7 +80,7 @@ class QKNorm(Convention):
             return Plan(
                 draw(seeds()), dtype, draw(st.sampled_from(domains.any_dtype(dtype)))
                 if caps["weight_dtypes"] == "any" else dtype,
-                draw(st.sampled_from(domains.table_dtypes(dtype, {**caps, "float32_tables": True}))),
+                draw(st.sampled_from(domains.table_dtypes(dtype, caps))),
                 b, hq, draw(st.integers(1, hq)), s, d, rot, draw(st.sampled_from(caps["unsqueeze_dim"])),
                 draw(st.sampled_from((1, b))), caps["interleaved"] and draw(st.booleans()),
                 caps["gemma"] and draw(st.booleans()), draw(st.sampled_from(EPS_VALUES)),
@@ -267,6 +268,27 @@ QKNorm.INVARIANTS = {
     "equals_rope_of_norm": equals_rope_of_norm,
     "q_k_independent": q_k_independent,
 }
+def _eager(case):
+    """--rope-schedule eager: Qwen3RMSNorm of q and of k (Gemma3RMSNorm with gemma), the mean as PyTorch's CUDA
+    kernels reduce it (`qknorm_math.eager_variance`), then transformers' rotation, each operation in the dtypes
+    eager PyTorch gives it (partial rotary: the rotated channels, then the rest, concatenated)."""
+    p = case.plan
+    cos, sin = (case.args[n].unsqueeze(p.unsqueeze_dim) for n in ("cos", "sin"))
+    partner, sign = pairing.partner_and_sign(p.rot, p.interleaved)
+    out = {}
+    with torch.no_grad():
+        for name in ("q", "k"):
+            x, w = case.args[name], case.args[f"{name}_weight"]
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(qknorm_math.eager_variance(h) + p.eps)
+            y = (h * (1.0 + w.float())).type_as(x) if p.gemma else w * h.to(x.dtype)
+            head = y[..., :p.rot]
+            turned = head[..., partner.to(head.device)] * sign.to(head.device, head.dtype)  # rotate_half: exact
+            out[name] = torch.cat([head * cos + turned * sin, y[..., p.rot:]], dim=-1)
+    return out
+
+
+QKNorm.SCHEDULES = {"eager": _eager}
 CONVENTION = QKNorm()
 
 
@@ -280,7 +302,7 @@ def _tables(arg: str) -> tuple:
     def pair(p):
         return p.dtype, p.table_dtype
 
-    return (*domains.pairings(pair, float32_cap=""), domains.table_16bit_float32_input(pair, "mixed_tables"),
+    return (*domains.pairings(pair), domains.table_16bit_float32_input(pair, "mixed_tables"),
             *domains.layouts(arg, expanded=True), *domains.widths(lambda p: (p.rot, p.d)),
             domains.cls("batch 1", lambda p, c: p.cos_batch == 1),
             domains.cls("batch b > 1", lambda p, c: p.cos_batch > 1))

@@ -21,6 +21,7 @@ EPS[D] |ref| + F32_EVAL scale (F32_EVAL = 2^-20, accuracy.py); a convention hand
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import pairing
@@ -78,3 +79,55 @@ def weight_grad_scale(up, x, w, eps, gemma, rot, interleaved):
     terms = n.numel() // max(n.shape[-1], 1)
     total = (elementwise_scale(up, rot, interleaved) * n.abs()).reshape(-1, n.shape[-1]).sum(0)
     return k_w(x.shape[-1], terms) * total
+
+
+# ---------------------------------------------------------------------------------------- the eager schedule
+
+def cuda_threads(rows: int, d: int) -> tuple:
+    """(threads per row, channels per load) of PyTorch's CUDA reduction of a contiguous float32 [rows, d] tensor over
+    d (ATen's Reduce.cuh, torch 2.10 and later): set_block_dimension with 512 threads a block, loads of 4 channels
+    from d = 128 on (setReduceConfig)."""
+    vec = 4 if d >= 128 else 1
+    dim0 = d // vec
+    dim0_pow2 = 2 ** int(np.log2(dim0)) if dim0 < 512 else 512
+    dim1_pow2 = 2 ** int(np.log2(max(rows, 1))) if rows < 512 else 512
+    width = min(dim0_pow2, 32)
+    height = min(dim1_pow2, 512 // width)
+    return min(dim0_pow2, 512 // height), vec
+
+
+def cuda_row_mean_of_squares(row: np.ndarray, rows: int) -> np.float32:
+    """mean(row^2) of one float32 row of a [rows, d] tensor as that kernel computes it: thread j sums its channels
+    (without vectorized loads j, j + W, ..., the m-th into accumulator m % 4; with them, channel i of its vectors j,
+    j + W, ... into accumulator i), then ((a0 + a1) + a2) + a3; the threads' sums folded in half (j adds j + h,
+    h = W / 2, ..., 1); times float32(rows) / float32(rows * d). Every operation a float32 one."""
+    f32 = np.float32
+    d = row.shape[0]
+    width, vec = cuda_threads(rows, d)
+    sq = [f32(v) * f32(v) for v in row]
+    threads = []
+    for j in range(width):
+        acc = [f32(0)] * 4
+        if vec == 4:
+            for v in range(j, d // 4, width):
+                for i in range(4):
+                    acc[i] = f32(acc[i] + sq[4 * v + i])
+        else:
+            for m, c in enumerate(range(j, d, width)):
+                acc[m % 4] = f32(acc[m % 4] + sq[c])
+        threads.append(f32(f32(f32(acc[0] + acc[1]) + acc[2]) + acc[3]))
+    while len(threads) > 1:
+        half = len(threads) // 2
+        threads = [f32(threads[j] + threads[j + half]) for j in range(half)]
+    return f32(threads[0] * f32(f32(rows) / f32(rows * d)))
+
+
+def eager_variance(h: torch.Tensor) -> torch.Tensor:
+    """`h.pow(2).mean(-1, keepdim=True)` of float32 h as PyTorch's CUDA kernels give it for h's values as a
+    contiguous tensor (Qwen3 normalises the contiguous projection): on CUDA that expression itself; elsewhere
+    `cuda_row_mean_of_squares` row by row (PyTorch's CPU kernels sum in another order)."""
+    if h.is_cuda:
+        return h.contiguous().pow(2).mean(-1, keepdim=True)
+    flat = h.detach().reshape(-1, h.shape[-1]).cpu().numpy()
+    means = [cuda_row_mean_of_squares(r, flat.shape[0]) for r in flat]
+    return torch.tensor(np.array(means, dtype=np.float32).reshape(*h.shape[:-1], 1), device=h.device)

@@ -112,6 +112,61 @@ def weight_grad_one_head(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze
     return one(q, q_weight), one(k, k_weight)
 
 
+def _cuda_mean_of_squares(h):
+    """h.pow(2).mean(-1, keepdim=True) for float32 h as PyTorch's CUDA kernels sum a row (Reduce.cuh, torch 2.10
+    and later): on CUDA the expression; on the CPU its order, W threads a row (W by the row count N and d), each
+    summing its channels into four accumulators, the threads folded in half, times float32(N) / float32(N d)."""
+    h = h.contiguous()
+    if h.is_cuda:
+        return h.pow(2).mean(-1, keepdim=True)
+    d, n = h.shape[-1], max(h.numel() // max(h.shape[-1], 1), 1)
+    vec = 4 if d >= 128 else 1
+    p = min(1 << ((d // vec).bit_length() - 1), 512)
+    w = min(p, 512 // min(1 << (n.bit_length() - 1), 512, 512 // min(p, 32)))
+    sq = h.pow(2)
+    acc = [torch.zeros(*h.shape[:-1], w) for _ in range(4)]
+    for c in range(d):  # channel c: thread and accumulator as the kernel reads it
+        if vec == 4:
+            thread, slot = (c // 4) % w, c % 4
+        else:
+            thread, slot = c % w, (c // w) % 4
+        acc[slot][..., thread] += sq[..., c]
+    t = ((acc[0] + acc[1]) + acc[2]) + acc[3]
+    while t.shape[-1] > 1:
+        t = t[..., : t.shape[-1] // 2] + t[..., t.shape[-1] // 2:]
+    factor = torch.tensor(float(n), dtype=torch.float32) / torch.tensor(float(n * d), dtype=torch.float32)
+    return t * factor
+
+
+def _qwen3(x, w, cos, sin, eps, ud, interleaved, gemma, weight_in_float32=False):
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(_cuda_mean_of_squares(h) + eps)
+    if gemma:
+        y = (h * (1.0 + w.float())).type_as(x)
+    else:
+        y = (w.float() * h).to(x.dtype) if weight_in_float32 else w * h.to(x.dtype)
+    return _rope(y, cos.unsqueeze(ud), sin.unsqueeze(ud), interleaved)
+
+
+def eager(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interleaved=False, gemma=False):
+    """Qwen3RMSNorm (Gemma3RMSNorm) and transformers' rotation as a model in one dtype runs them eagerly on CUDA
+    (not a planted bug: the schedule `eager`, within the `dtype` accuracy model)."""
+    return tuple(_qwen3(x, w, cos, sin, eps, unsqueeze_dim, interleaved, gemma)
+                 for x, w in ((q, q_weight), (k, k_weight)))
+
+
+def eager_weight_in_float32(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze_dim=1, interleaved=False,
+                            gemma=False):
+    """Qwen3's weight applied in float32 before the one rounding (Gemma's way): accurate, not the eager schedule
+    (test_zoo.SCHEDULE_VERDICTS)."""
+    return tuple(_qwen3(x, w, cos, sin, eps, unsqueeze_dim, interleaved, gemma, weight_in_float32=True)
+                 for x, w in ((q, q_weight), (k, k_weight)))
+
+
+# the eager schedule holds for a model run in one dtype: weights and tables in q's
+for _fn in (eager, eager_weight_in_float32):
+    _fn.rope_capabilities = dict(weight_dtypes="q", float32_tables=False, mixed_tables=False, accuracy="dtype")
+
 CORRECT = correct
 BUGS = {
     "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
