@@ -20,7 +20,7 @@ from ._common import (
     _store_tail,
     _tile_ptrs,
 )
-from .rope import QK_COUNTS, _in_output
+from .rope import QK_COUNTS, _in_output, _rotated_eager
 
 _NORM_COUNTS = QK_COUNTS + ["n_items", "n_progs"]
 
@@ -172,14 +172,8 @@ def _norm_rotate_store(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_
     else:
         ya, yb, yt = xa * r * wa, xb * r * wb, xt * r * wt
     if EAGER:
-        cos_a = _in_output(v=cos_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
-        cos_b = _in_output(v=cos_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
-        sin_a = _in_output(v=sin_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
-        sin_b = _in_output(v=sin_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
-        out_a = (_in_output(v=ya * cos_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
-                 - _in_output(v=yb * sin_a, out_ty=out_ty, RNE_BF16=RNE_BF16))
-        out_b = (_in_output(v=yb * cos_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
-                 + _in_output(v=ya * sin_b, out_ty=out_ty, RNE_BF16=RNE_BF16))
+        out_a, out_b = _rotated_eager(xa=ya, xb=yb, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a, sin_b=sin_b, out_ty=out_ty,
+                                      RNE_BF16=RNE_BF16)
     else:
         out_a, out_b = ya * cos_a - yb * sin_a, yb * cos_b + ya * sin_b
     _store_head(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,

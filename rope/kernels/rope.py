@@ -33,6 +33,21 @@ def _in_output(v, out_ty: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _rotated_eager(xa, xb, cos_a, cos_b, sin_a, sin_b, out_ty: tl.constexpr, RNE_BF16: tl.constexpr):
+    """The pair (a, b) rotated as `x * cos + rotate_half(x) * sin` runs eagerly in the output dtype: cos and sin
+    rounded to it, then each product, then the sum (the rotate_half sign flip is exact); float32 values."""
+    cos_a = _in_output(v=cos_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
+    cos_b = _in_output(v=cos_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
+    sin_a = _in_output(v=sin_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
+    sin_b = _in_output(v=sin_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
+    a = (_in_output(v=xa * cos_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
+         - _in_output(v=xb * sin_a, out_ty=out_ty, RNE_BF16=RNE_BF16))
+    b = (_in_output(v=xb * cos_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
+         + _in_output(v=xa * sin_b, out_ty=out_ty, RNE_BF16=RNE_BF16))
+    return a, b
+
+
+@triton.jit
 def _rotate_and_store(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, xa, xb, tail, cos_a, cos_b, sin_a,
                       sin_b, out_ty: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
                       INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -42,14 +57,8 @@ def _rotate_and_store(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_k
     EAGER: the schedule of the PyTorch expression run eagerly in the output dtype (docs/contract.md): cos and sin
     rounded to it, then each product, then the sum (the plan compiles without fused multiply-adds)."""
     if EAGER:
-        cos_a = _in_output(v=cos_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
-        cos_b = _in_output(v=cos_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
-        sin_a = _in_output(v=sin_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
-        sin_b = _in_output(v=sin_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
-        a = (_in_output(v=xa * cos_a, out_ty=out_ty, RNE_BF16=RNE_BF16)
-             - _in_output(v=xb * sin_a, out_ty=out_ty, RNE_BF16=RNE_BF16))
-        b = (_in_output(v=xb * cos_b, out_ty=out_ty, RNE_BF16=RNE_BF16)
-             + _in_output(v=xa * sin_b, out_ty=out_ty, RNE_BF16=RNE_BF16))
+        a, b = _rotated_eager(xa=xa, xb=xb, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a, sin_b=sin_b, out_ty=out_ty,
+                              RNE_BF16=RNE_BF16)
     else:
         a = xa * cos_a - xb * sin_a
         b = xb * cos_b + xa * sin_b
