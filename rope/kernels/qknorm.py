@@ -58,19 +58,34 @@ def _eager_sum_of_squares(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stri
     i. A thread's sum is ((a0 + a1) + a2) + a3, each accumulator starting at 0; then the threads' sums are folded in
     half, lane j adding lane j + h for h = LANES / 2, ..., 1. Channels past the head add 0, which changes no sum."""
     lanes = tl.arange(0, LANES)
+    steps: tl.constexpr = (HEAD_DIM + 4 * LANES - 1) // (4 * LANES)
+    ok = rows_ok[:, None]
     thread = tl.zeros((in_q.shape[0], LANES), tl.float32)
-    for i in tl.static_range(4):
-        acc = tl.zeros((in_q.shape[0], LANES), tl.float32)
-        for step in tl.static_range((HEAD_DIM + 4 * LANES - 1) // (4 * LANES)):
-            if VEC == 4:
-                cols = (lanes + step * LANES) * 4 + i
-            else:
-                cols = lanes + (4 * step + i) * LANES
+    if VEC == 4:
+        # step k's vectors are the contiguous channels [4 LANES k, 4 LANES (k + 1)): one wide load, split by the
+        # channel's place i = 2 i_hi + i_lo in its vector
+        acc0 = tl.zeros((in_q.shape[0], LANES), tl.float32)
+        acc1, acc2, acc3 = acc0, acc0, acc0
+        for step in tl.static_range(steps):
+            cols = step * 4 * LANES + tl.arange(0, 4 * LANES)
             x = tl.load(_tile_ptrs(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, cols=cols,
                                    stride_qd=stride_qd, stride_kd=stride_kd),
-                        mask=rows_ok[:, None] & (cols < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
-            acc = acc + x * x
-        thread = thread + acc  # 0 + a0 is a0: the squares are not negative
+                        mask=ok & (cols < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+            even, odd = tl.split(tl.reshape(x * x, (in_q.shape[0], LANES, 2, 2)))  # i_lo 0 and 1: [rows, lanes, i_hi]
+            x0, x2 = tl.split(even)
+            x1, x3 = tl.split(odd)
+            acc0, acc1, acc2, acc3 = acc0 + x0, acc1 + x1, acc2 + x2, acc3 + x3
+        thread = ((((thread + acc0) + acc1) + acc2) + acc3)  # 0 + a0 is a0: the squares are not negative
+    else:
+        for i in tl.static_range(4):  # thread j's m-th channel j + m LANES into accumulator m % 4
+            acc = tl.zeros((in_q.shape[0], LANES), tl.float32)
+            for step in tl.static_range(steps):
+                cols = (4 * step + i) * LANES + lanes
+                x = tl.load(_tile_ptrs(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, cols=cols,
+                                       stride_qd=stride_qd, stride_kd=stride_kd),
+                            mask=ok & (cols < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+                acc = acc + x * x
+            thread = thread + acc
     for _ in tl.static_range(10):  # LANES <= 512 = 2^9 halvings, the rest skipped at compile time
         if thread.shape[1] > 1:
             low, high = tl.split(tl.permute(tl.reshape(thread, (thread.shape[0], 2, thread.shape[1] // 2)),

@@ -42,9 +42,10 @@ def _expected(x, w, cos, sin, eps, gemma):
 
 
 # (b, s, hq, hk, d): decode with few rows (PyTorch widens a row's threads below 16 rows: at d 96 and 112 the sum's
-# association changes with it), prefill-like rows, d 80 (not a power of two), d 128 and 256 (vectorized loads)
+# association changes with it), prefill-like rows, d 80 (not a power of two), d 128 and 256 (vectorized loads; at
+# 256 with 16 rows or more, two vectors a thread)
 SHAPES = [(1, 1, 4, 2, 64), (2, 9, 4, 1, 64), (1, 3, 2, 1, 80), (1, 1, 12, 6, 96), (1, 1, 15, 7, 112),
-          (1, 1, 8, 2, 128), (2, 5, 4, 2, 128), (1, 2, 3, 1, 256), (1, 4, 2, 2, 16)]
+          (1, 1, 8, 2, 128), (2, 5, 4, 2, 128), (1, 2, 3, 1, 256), (2, 4, 4, 2, 256), (1, 4, 2, 2, 16)]
 
 
 def _check(shape, dtype, gemma):
