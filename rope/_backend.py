@@ -47,7 +47,8 @@ class Call:
         # tail_first: the rotated channels are the head's last rot_dim, the channels before them copied (DeepSeek-V4)
         self.tail_first = tail_first
         # keep_order: an output out of place keeps the memory order of its input where that input is a permuted
-        # contiguous tensor, as PyTorch's elementwise operations do (else it is contiguous)
+        # contiguous tensor, as PyTorch's elementwise operations do (else it is contiguous); the convention's
+        # (`Convention.keep_order`) for the Calls `call_of` makes
         self.keep_order = keep_order
         self.has_start, self.cp_size, self.cp_rank = start_positions is not None, cp_size, cp_rank
         self.checks_values = start_positions is not None or cu_seqlens is not None
@@ -280,22 +281,31 @@ class Convention:
       the inverse rotation, for a leaf written in place; conventions without one ignore it).
     - `launch(ts, reads, flags)`, for a convention with a kernel of its own (RoPE fused with the KV-cache write, in
       place and without a backward): that kernel, writing ts; `call` and `reads` are then unused, and `reference`
-      writes ts in place too."""
+      writes ts in place too.
+    - `keep_order`: new outputs keep the memory order of a permuted contiguous input, as the convention's own
+      PyTorch expression gives them (`Call.keep_order`, set on every `Call` of the convention, and the custom op's
+      fake outputs: `torch.compile` plans later operations by their strides)."""
 
-    __slots__ = ("name", "call", "reads", "reference", "norm", "launch")  # slots: read on every call
+    __slots__ = ("name", "call", "reads", "reference", "norm", "launch", "keep_order")  # slots: read on every call
 
     def __init__(self, name: str, call: Callable, reads: Callable, reference: Callable, norm: bool = False,
-                 launch: Callable = None):
+                 launch: Callable = None, keep_order: bool = False):
         self.name, self.call, self.reads, self.reference, self.norm, self.launch = (name, call, reads, reference, norm,
                                                                                     launch)
+        self.keep_order = keep_order
 
 
 CONVENTIONS: dict = {}
 
 
-def convention(name, call, reads, reference, norm=False, launch=None) -> Convention:
-    conv = CONVENTIONS[name] = Convention(name, call, reads, reference, norm, launch)
+def convention(name, call, reads, reference, norm=False, launch=None, keep_order=False) -> Convention:
+    conv = CONVENTIONS[name] = Convention(name, call, reads, reference, norm, launch, keep_order)
     return conv
+
+
+def _made(conv: Convention, call: Call) -> Call:
+    call.keep_order = conv.keep_order
+    return call
 
 
 def signature(name, tensors, flags) -> tuple:
@@ -320,10 +330,10 @@ def call_of(conv: Convention, ts, reads, flags) -> Call:
     try:
         key = signature(conv.name, ts + reads, flags)
     except RuntimeError:  # a functorch-wrapped tensor has no data pointer: autograd's Function refuses it later
-        return conv.call(ts, reads, flags)
+        return _made(conv, conv.call(ts, reads, flags))
     call = _CALLS.get(key)
     if call is None:
-        call = _CALLS.put(key, conv.call(ts, reads, flags))
+        call = _CALLS.put(key, _made(conv, conv.call(ts, reads, flags)))
     return call
 
 
@@ -443,11 +453,13 @@ def rotate_op(convention: str, ts: list[torch.Tensor], reads: list[Optional[torc
 
 @rotate_op.register_fake
 def _(convention, ts, reads, flags, backward):
-    # new contiguous tensors of the rotated tensors' shapes and dtypes, as the kernel writes; a norm convention's
+    # new tensors of the rotated tensors' shapes and dtypes, as the kernel writes them: contiguous, or where the
+    # convention keeps its input's memory order, that order (`empty_like`'s, `_launch._ordered`); a norm convention's
     # backward also gives the weights' gradients
-    if CONVENTIONS[convention].norm:
+    conv = CONVENTIONS[convention]
+    if conv.norm:
         return [ts[i].new_empty(ts[i].shape) for i in ((0, 1, 4, 5) if backward else (0, 1))]
-    return [t.new_empty(t.shape) for t in ts]
+    return [torch.empty_like(t) if conv.keep_order else t.new_empty(t.shape) for t in ts]
 
 
 @torch.library.custom_op(OP_NAME + "_", mutates_args=("ts",))

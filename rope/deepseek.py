@@ -42,7 +42,7 @@ def _call(views, reads, flags) -> Call:
     b, s, h, d = views[0].shape
     r = 2 * reads[0].shape[-1]
     return Call(Layout(s=s, b=b, h=h, d=d, rot_dim=r, freqs_len=s), tensor_format="bshd", interleaved=True,
-                tail_first=r < d, keep_order=True)
+                tail_first=r < d)
 
 
 def _reads(call, reads, flags) -> tuple:
@@ -62,6 +62,6 @@ def _reference(views, reads, flags, backward) -> tuple:
                            -1) for x in views)
 
 
-V4 = convention("deepseek-v4", _call, _reads, _reference)
+V4 = convention("deepseek-v4", _call, _reads, _reference, keep_order=True)
 
 __all__ = ["apply_rotary_pos_emb"]

@@ -85,7 +85,7 @@ def _layout(ts, reads, flags) -> Layout:
 
 def _call(ts, reads, flags) -> Call:
     return Call(_layout(ts, reads, flags), tensor_format=flags[0], interleaved=flags[1], start_positions=reads[2],
-                cu_seqlens=reads[3], keep_order=True)
+                cu_seqlens=reads[3])
 
 
 def _reads(call, reads, flags) -> tuple:
@@ -105,4 +105,4 @@ def _reference(ts, reads, flags, backward) -> tuple:
     return (reference.rotate_rows(x, full[0], -full[1] if backward else full[1], pos, fmt, interleaved),)
 
 
-FLASH = convention("flash", _call, _reads, _reference)
+FLASH = convention("flash", _call, _reads, _reference, keep_order=True)

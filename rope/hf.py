@@ -107,7 +107,7 @@ def _rotate(xs, cos, sin, unsqueeze_dim, interleaved=False, streams=None, schedu
 def _call(views, reads, flags) -> Call:
     b, s, h, d = views[0].shape
     return Call(Layout(s=s, b=b, h=h, d=d, rot_dim=reads[0].shape[-1], freqs_len=s), tensor_format="bshd",
-                interleaved=flags[0], schedule=flags[2], permute=flags[3], keep_order=True)
+                interleaved=flags[0], schedule=flags[2], permute=flags[3])
 
 
 def _reads(call, reads, flags) -> tuple:
@@ -138,7 +138,7 @@ def _reference(views, reads, flags, backward) -> tuple:
     return tuple(reference.rotate_scheduled(x.to(out_dtype), cos, sin, interleaved, schedule) for x in views)
 
 
-HF = convention("hf", _call, _reads, _reference)
+HF = convention("hf", _call, _reads, _reference, keep_order=True)
 
 
 __all__ = ["apply_rotary_pos_emb", "apply_rotary_pos_emb_single", "apply_rotary_pos_emb_glm",
