@@ -385,6 +385,9 @@ def _by_reference(conv, ts, reads, flags, inplace) -> tuple:
     outs = conv.reference(ts, reads, flags, False)
     if inplace:  # a reference that writes in place returns ts themselves
         return tuple(x if o is x else x.copy_(o) for x, o in zip(ts[:len(outs)], outs, strict=True))
+    if conv.keep_order:  # the kernel path's memory order (`Call.keep_order`)
+        return tuple(o if o.stride() == x.stride() or torch.empty_like(x, device="meta").stride() != x.stride()
+                     else torch.empty_like(x, dtype=o.dtype).copy_(o) for x, o in zip(ts, outs, strict=True))
     return outs
 
 

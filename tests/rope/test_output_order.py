@@ -12,7 +12,7 @@ import torch
 
 import rope
 
-from .cases import DEVICE, poison_outputs  # noqa: F401
+from .cases import DEVICE, poison_outputs, reference_path  # noqa: F401
 
 
 def _randn(*shape, dtype=torch.float32, gen):
@@ -36,10 +36,17 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+@pytest.mark.parametrize("reference", [False, True], ids=["kernel", "reference"])
 @pytest.mark.parametrize("form", ["hf", "hf_single", "flash"])
-def test_output_keeps_a_permuted_input_order(poison_outputs, form):  # noqa: F811
+def test_output_keeps_a_permuted_input_order(poison_outputs, form, reference):  # noqa: F811
     """q (x) a contiguous tensor of another order than the call's `[b, s, h, d]` roles: the output has q's strides,
-    as the convention's PyTorch expression gives them, and its values are that expression's."""
+    as the convention's PyTorch expression gives them, and its values are that expression's; on the kernel path and
+    on the CPU's reference path alike."""
+    with reference_path(reference):
+        _keeps_order(form)
+
+
+def _keeps_order(form):
     gen = torch.Generator().manual_seed(3)
     b, s, h, d = 2, 5, 3, 16
     if form == "flash":
