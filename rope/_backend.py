@@ -38,7 +38,7 @@ class Call:
                  "inverse", "tail_first", "keep_order")
 
     def __init__(self, layout, tensor_format, interleaved, start_positions=None, cu_seqlens=None, cp_size=1,
-                 cp_rank=0, schedule=None, permute=False, inverse=False, tail_first=False, keep_order=False):
+                 cp_rank=0, schedule=None, permute=False, inverse=False, tail_first=False):
         # schedule: the forward's rounding, None (float32 math, one rounding), "eager" or "float32" (SCHEDULES); the
         # backward is the default's. permute: pairs read interleaved and written half-split (DeepSeek-V3's form)
         self.layout, self.tensor_format, self.interleaved = layout, tensor_format, interleaved
@@ -46,10 +46,9 @@ class Call:
         self.schedule, self.permute, self.inverse = schedule, permute, inverse
         # tail_first: the rotated channels are the head's last rot_dim, the channels before them copied (DeepSeek-V4)
         self.tail_first = tail_first
-        # keep_order: an output out of place keeps the memory order of its input where that input is a permuted
-        # contiguous tensor, as PyTorch's elementwise operations do (else it is contiguous); the convention's
-        # (`Convention.keep_order`) for the Calls `call_of` makes
-        self.keep_order = keep_order
+        # keep_order: an output out of place keeps the memory order of its input as PyTorch's elementwise operations
+        # do (`empty_like`; else it is contiguous): the convention's, set by `call_of`
+        self.keep_order = False
         self.has_start, self.cp_size, self.cp_rank = start_positions is not None, cp_size, cp_rank
         self.checks_values = start_positions is not None or cu_seqlens is not None
         self.empty = layout.s * layout.b * layout.h * layout.d == 0
@@ -282,8 +281,8 @@ class Convention:
     - `launch(ts, reads, flags)`, for a convention with a kernel of its own (RoPE fused with the KV-cache write, in
       place and without a backward): that kernel, writing ts; `call` and `reads` are then unused, and `reference`
       writes ts in place too.
-    - `keep_order`: new outputs keep the memory order of a permuted contiguous input, as the convention's own
-      PyTorch expression gives them (`Call.keep_order`, set on every `Call` of the convention, and the custom op's
+    - `keep_order`: new outputs keep the memory order of the input, as the convention's own PyTorch expression
+      gives them (`empty_like`) (`Call.keep_order`, set on every `Call` of the convention, and the custom op's
       fake outputs: `torch.compile` plans later operations by their strides)."""
 
     __slots__ = ("name", "call", "reads", "reference", "norm", "launch", "keep_order")  # slots: read on every call
@@ -385,10 +384,15 @@ def _by_reference(conv, ts, reads, flags, inplace) -> tuple:
     outs = conv.reference(ts, reads, flags, False)
     if inplace:  # a reference that writes in place returns ts themselves
         return tuple(x if o is x else x.copy_(o) for x, o in zip(ts[:len(outs)], outs, strict=True))
-    if conv.keep_order:  # the kernel path's memory order (`Call.keep_order`)
-        return tuple(o if o.stride() == x.stride() or torch.empty_like(x, device="meta").stride() != x.stride()
-                     else torch.empty_like(x, dtype=o.dtype).copy_(o) for x, o in zip(ts, outs, strict=True))
+    if conv.keep_order:  # the kernel path's memory order: `empty_like`'s (`Call.keep_order`)
+        return tuple(_like(x, o) for x, o in zip(ts, outs, strict=True))
     return outs
+
+
+def _like(x, out):
+    """`out` with the strides of `empty_like(x)` (a copy where its own differ)."""
+    like = torch.empty_like(x, dtype=out.dtype)
+    return out if out.stride() == like.stride() else like.copy_(out)
 
 
 def _traced(conv, ts, reads, flags, inplace) -> tuple:
@@ -457,8 +461,8 @@ def rotate_op(convention: str, ts: list[torch.Tensor], reads: list[Optional[torc
 @rotate_op.register_fake
 def _(convention, ts, reads, flags, backward):
     # new tensors of the rotated tensors' shapes and dtypes, as the kernel writes them: contiguous, or where the
-    # convention keeps its input's memory order, that order (`empty_like`'s, `_launch._ordered`); a norm convention's
-    # backward also gives the weights' gradients
+    # convention keeps its input's memory order, `empty_like`'s (`_launch._like`); a norm convention's backward also
+    # gives the weights' gradients
     conv = CONVENTIONS[convention]
     if conv.norm:
         return [ts[i].new_empty(ts[i].shape) for i in ((0, 1, 4, 5) if backward else (0, 1))]

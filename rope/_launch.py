@@ -84,9 +84,8 @@ _NORM_FWD_MAXNREG = 96
 
 
 def empty(x: torch.Tensor, dense: bool = False) -> torch.Tensor:
-    """A new contiguous output for `x` (`nan_outputs` replaces it). `dense`: the plan's output has x's strides
-    (`Plan.dense`: x is contiguous, or a permuted contiguous tensor where the call keeps x's memory order), which
-    `empty_like` keeps."""
+    """A new contiguous output for `x` (`nan_outputs` replaces it). `dense`: the plan's output is `empty_like(x)`'s
+    (`Plan.dense`: x is contiguous, or the call keeps x's memory order)."""
     return torch.empty_like(x) if dense else torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -248,9 +247,10 @@ def _dense(x: torch.Tensor, tensor_format: str) -> bool:
     return _roles(x, tensor_format) == _out_roles(x, tensor_format, False)
 
 
-def _ordered(x: torch.Tensor) -> bool:
-    """Whether x is a permuted contiguous tensor (dense, no overlap), whose strides `empty_like` keeps."""
-    return torch.empty_like(x, device="meta").stride() == x.stride()
+def _like(x: torch.Tensor, tensor_format: str) -> tuple:
+    """The strides, in the kernel's roles, of `empty_like(x)`: PyTorch's elementwise result for x, x's own where x
+    is a permuted contiguous tensor, else dense in x's order of strides."""
+    return _roles(torch.empty_like(x, device="meta"), tensor_format)
 
 
 def _large(tensor_bytes: int, device) -> bool:
@@ -375,7 +375,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
     `backward` is the direction (a call's `inverse` forward runs backward). `permute`: pairs read interleaved and
     written half-split, the backward the other way round (`PERMUTE`). `tail_first`: the rotated channels are the
     head's last `layout.rot_dim`, and the channels before them are copied (`ROT_START`). `keep_order`: a new output
-    keeps the memory order of a tensor that is a permuted contiguous one (`_ordered`)."""
+    keeps the memory order of its input as PyTorch's elementwise operations do (`empty_like`, `_like`)."""
     tensors = (x,) if k is None else (x, k)
     table = angles.table
     # angles differ per batch entry: a group is one (s, b) pair
@@ -417,9 +417,8 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
                    chunks)
     kernel = rope_kernel if k is None else rope_qk_kernel
     names = ("x", "out") if k is None else ("q", "q_out", "k", "k_out")
-    ordered = tuple(keep_order and not inplace and _ordered(t) for t in tensors)
-    outs = (_roles(t, tensor_format) if o else _out_roles(t, tensor_format, inplace)
-            for t, o in zip(tensors, ordered, strict=True))
+    like = keep_order and not inplace  # the outputs are `empty_like`'s (`Plan.dense`)
+    outs = (_like(t, tensor_format) if like else _out_roles(t, tensor_format, inplace) for t in tensors)
     roles = [r for t, o in zip(tensors, outs, strict=True) for r in (_roles(t, tensor_format), o)]
     args = dict(
         rows_per_program=rows_per_program, n_groups=n_groups, inner=inner, seq_len=layout.s, n_seqs=layout.n_seqs,
@@ -443,7 +442,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
                     **_magic_args(qheads=layout.h, kheads=k.shape[-2]))
         if not norm:
             args.update(QK=True)
-    dense = tuple(o or _dense(t, tensor_format) for t, o in zip(tensors, ordered, strict=True))
+    dense = tuple(like or _dense(t, tensor_format) for t in tensors)
     pdl = PDL and x.is_cuda and not norm
     if not norm:
         args.update(PDL=pdl, EAGER=schedule == "eager", PERMUTE=(2 if backward else 1) if permute else 0,

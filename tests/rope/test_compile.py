@@ -50,13 +50,15 @@ def test_opcheck(case, backward):
 
 
 def _permuted_cases():
-    """Conventions whose outputs keep a permuted contiguous input's memory order, each given such an input: q and k
-    (x) contiguous [b, h, s, d] in the kernel's [b, s, h, d] roles."""
+    """Conventions whose outputs keep the input's memory order (`empty_like`'s), each given such an input: q and k
+    (x) contiguous [b, h, s, d] in the kernel's [b, s, h, d] roles; and q a padded one (not dense)."""
     gen = torch.Generator().manual_seed(4)
     q, k = (torch.randn(2, h, 5, 8, generator=gen).to(DEVICE).transpose(1, 2) for h in (3, 1))
     ang = torch.rand(2, 5, 4, generator=gen).to(DEVICE)
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     yield "hf", [q, k], [cos, sin], repr((False, None, None, False))
+    padded = torch.randn(2, 3, 5, 16, generator=gen).to(DEVICE)[..., :8].transpose(1, 2)  # not dense: x's order
+    yield "hf-padded", [padded, k], [cos, sin], repr((False, None, None, False))
     yield "flash", [q], [ang[0].cos(), ang[0].sin(), None, None], repr(("bshd", False))
     yield "deepseek-v4", [q], [ang.cos()[..., :2], ang.sin()[..., :2]], repr(())
 
@@ -67,7 +69,7 @@ def test_opcheck_keeps_the_memory_order(case, backward):
     """The custom op's fake outputs have the strides the kernel gives (the input's memory order), which
     `torch.compile` plans later operations by; opcheck compares them with the real op's."""
     name, ts, reads, flags = case
-    torch.library.opcheck(torch.ops.rope.rotate.default, (name, ts, reads, flags, backward))
+    torch.library.opcheck(torch.ops.rope.rotate.default, (name.removesuffix("-padded"), ts, reads, flags, backward))
 
 
 def test_opcheck_inplace():

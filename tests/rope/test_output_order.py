@@ -36,35 +36,43 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+# q as a model may hold it: contiguous [b, h, s, d]; the [b, h, s, d] view of the [b, s, h, d] projection; and
+# both narrowed from a wider last dim (not dense: the result is dense in q's order of strides)
+LAYOUTS = {
+    "contiguous": lambda t: t.transpose(1, 2).contiguous(),
+    "view": lambda t: t.transpose(1, 2),
+    "padded": lambda t: torch.cat([t, t], -1).transpose(1, 2).contiguous()[..., : t.shape[-1]],
+    "padded_view": lambda t: torch.cat([t, t], -1)[..., : t.shape[-1]].transpose(1, 2),
+}
+
+
 @pytest.mark.parametrize("reference", [False, True], ids=["kernel", "reference"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("form", ["hf", "hf_single", "flash"])
-def test_output_keeps_a_permuted_input_order(poison_outputs, form, reference):  # noqa: F811
-    """q (x) a contiguous tensor of another order than the call's `[b, s, h, d]` roles: the output has q's strides,
-    as the convention's PyTorch expression gives them, and its values are that expression's; on the kernel path and
+def test_output_keeps_the_input_order(poison_outputs, form, layout, reference):  # noqa: F811
+    """The result has the strides the convention's PyTorch expression gives it (transformers' `q * cos +
+    rotate_half(q) * sin`; flash-attention's `empty_like(x)`), and that expression's values; on the kernel path and
     on the CPU's reference path alike."""
-    with reference_path(reference):
-        _keeps_order(form)
-
-
-def _keeps_order(form):
     gen = torch.Generator().manual_seed(3)
     b, s, h, d = 2, 5, 3, 16
-    if form == "flash":
-        x = _randn(b, h, s, d, gen=gen).transpose(1, 2)  # [b, s, h, d] in [b, h, s, d] memory
-        angles = _randn(s, d // 2, gen=gen)
-        out = rope.flash.apply_rotary_emb(x, angles.cos(), angles.sin())
-        cos, sin = (torch.cat([f(angles)] * 2, -1)[None, :, None].double() for f in (torch.cos, torch.sin))
-    else:
-        x = _randn(b, s, h, d, gen=gen).transpose(1, 2).contiguous()  # [b, h, s, d] contiguous
-        angles = _randn(b, s, d // 2, gen=gen)
-        cos, sin = (torch.cat([f(angles)] * 2, -1) for f in (torch.cos, torch.sin))
-        if form == "hf":
-            out, _ = rope.hf.apply_rotary_pos_emb(x, x[:, :1], cos, sin)
+    x = LAYOUTS[layout](_randn(b, s, h, d, gen=gen))  # [b, h, s, d]
+    with reference_path(reference):
+        if form == "flash":
+            x = x.transpose(1, 2)  # flash's [b, s, h, d]
+            angles = _randn(s, d // 2, gen=gen)
+            out = rope.flash.apply_rotary_emb(x, angles.cos(), angles.sin())
+            cos, sin = (torch.cat([f(angles)] * 2, -1)[None, :, None] for f in (torch.cos, torch.sin))
         else:
-            out = rope.hf.apply_rotary_pos_emb_single(x, cos, sin)
-        cos, sin = cos[:, None].double(), sin[:, None].double()
-    want = x.double() * cos + _rotate_half(x.double()) * sin
-    assert out.stride() == x.stride()
+            angles = _randn(b, s, d // 2, gen=gen)
+            cos, sin = (torch.cat([f(angles)] * 2, -1) for f in (torch.cos, torch.sin))
+            if form == "hf":
+                out, _ = rope.hf.apply_rotary_pos_emb(x, x[:, :1], cos, sin)
+            else:
+                out = rope.hf.apply_rotary_pos_emb_single(x, cos, sin)
+            cos, sin = cos[:, None], sin[:, None]
+    expression = x * cos + _rotate_half(x) * sin
+    want = x.double() * cos.double() + _rotate_half(x.double()) * sin.double()
+    assert out.stride() == (torch.empty_like(x) if form == "flash" else expression).stride()
     assert (out.double() - want).abs().max() <= 2.0**-22 * want.abs().max()
 
 
