@@ -60,7 +60,6 @@ def _eager_sum_of_squares(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stri
     lanes = tl.arange(0, LANES)
     steps: tl.constexpr = (HEAD_DIM + 4 * LANES - 1) // (4 * LANES)
     ok = rows_ok[:, None]
-    thread = tl.zeros((in_q.shape[0], LANES), tl.float32)
     if VEC == 4:
         # step k's vectors are the contiguous channels [4 LANES k, 4 LANES (k + 1)): one wide load, split by the
         # channel's place i = 2 i_hi + i_lo in its vector
@@ -75,8 +74,9 @@ def _eager_sum_of_squares(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stri
             x0, x2 = tl.split(even)
             x1, x3 = tl.split(odd)
             acc0, acc1, acc2, acc3 = acc0 + x0, acc1 + x1, acc2 + x2, acc3 + x3
-        thread = ((((thread + acc0) + acc1) + acc2) + acc3)  # 0 + a0 is a0: the squares are not negative
+        thread = ((acc0 + acc1) + acc2) + acc3
     else:
+        thread = tl.zeros((in_q.shape[0], LANES), tl.float32)  # 0 + a0 is a0: the squares are not negative
         for i in tl.static_range(4):  # thread j's m-th channel j + m LANES into accumulator m % 4
             acc = tl.zeros((in_q.shape[0], LANES), tl.float32)
             for step in tl.static_range(steps):
