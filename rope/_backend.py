@@ -391,8 +391,9 @@ def _by_reference(conv, ts, reads, flags, inplace) -> tuple:
 
 def _like(x, out):
     """`out` with the strides of `empty_like(x)` (a copy where its own differ)."""
-    like = torch.empty_like(x, dtype=out.dtype)
-    return out if out.stride() == like.stride() else like.copy_(out)
+    if out.stride() == torch.empty_like(x, device="meta").stride():
+        return out
+    return torch.empty_like(x, dtype=out.dtype).copy_(out)
 
 
 def _traced(conv, ts, reads, flags, inplace) -> tuple:
