@@ -75,10 +75,12 @@ NAMED = {
            for conv, path in (("hf", "rope.hf:apply_rotary_pos_emb"),
                               ("hf-single", "rope.hf:apply_rotary_pos_emb_single"),
                               ("hf-glm", "rope.hf:apply_rotary_pos_emb_glm"), ("vllm", "rope.vllm:rotary_embedding"))},
-        # QK norm's eager schedule reproduces a model run in one dtype: weights and tables in q's
+        # QK norm's eager schedule reproduces a model run in one dtype (weights and tables in q's) and PyTorch's
+        # reduction of a row, whose order follows the tensor's row count: not batch invariant, as PyTorch's own
         **({"qknorm": (("rope.qknorm:apply",), {"_keywords": {"schedule": "eager"}, "accuracy": "dtype",
                                                 "weight_dtypes": "q", "float32_tables": False,
-                                                "mixed_tables": False})} if schedule == "eager" else {})}
+                                                "mixed_tables": False, "batch_invariant": False})}
+           if schedule == "eager" else {})}
         for schedule in ("eager", "float32")},
     # transformers evaluates its expression in the activations' dtype; 5.x has no position_ids parameter
     # Llama's and Gemma's functions rotate the whole head (partial rotary is GPT-NeoX's, Phi's, Qwen3-Next's: run those

@@ -88,6 +88,20 @@ def test_nothing_tested_is_not_a_pass(tmp_path):
     assert ours == 0 and "NOTHING TESTED" not in out_ours and "2 passed" in out_ours, out_ours[-3000:]
 
 
+def test_batch_invariance_is_declarable_off(tmp_path):
+    """A target whose math follows the batch (the zoo's hf math_depends_on_batch) fails batch_rows_alone; declared
+    batch_invariant=false, that invariant is skipped with a reason naming the declaration, and the run still
+    certifies the rest (its forward passes)."""
+    impl = "--rope-impl=hf:tests.conformance.zoo.hf:math_depends_on_batch"
+    invariant = f"{NATIVE}::test_invariant[hf-batch_rows_alone]"
+    runs = [[impl, invariant],
+            [impl, "--rope-caps", "batch_invariant=false", "-rs", invariant, f"{NATIVE}::test_forward[hf]"]]
+    (caught, out_caught), (declared, out_declared) = _sessions(runs, tmp_path)
+    assert caught == 1 and "batch invariance" in out_caught and "1 failed" in out_caught, out_caught[-3000:]
+    assert declared == 0 and "declares hf not batch invariant" in out_declared, out_declared[-3000:]
+    assert "1 passed, 1 skipped" in out_declared, out_declared[-3000:]
+
+
 def test_foreign_target_collects_none_of_ropes_own_tests(tmp_path):
     (tmp_path / "tinyrope.py").write_text(TINY_HF)
     env = {"PYTHONPATH": str(tmp_path)}

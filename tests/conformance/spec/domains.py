@@ -46,6 +46,8 @@ def cls(name: str, holds: Callable, cap: str = "", off: Callable = None) -> Clas
 GENERIC_CAPS = {
     "explicit_defaults": (True, "optional arguments passed explicitly at their default value, as well as omitted"),
     "deterministic": (True, "two identical calls give bitwise the same outputs (and gradients)"),
+    "batch_invariant": (True, "a row's results do not depend on the other rows of the call, bitwise "
+                              "(invariant batch_rows_alone)"),
 }
 DIFFERENTIABLE_CAPS = {
     "strided_grads": (True, "upstream gradients that are strided views (a slice of a wider buffer, permuted)"),
