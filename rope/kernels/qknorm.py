@@ -86,7 +86,7 @@ def _eager_sum_of_squares(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stri
                             mask=ok & (cols < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
                 acc = acc + x * x
             thread = thread + acc
-    return _fold_lanes(thread)
+    return _fold_lanes(thread=thread)
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def _eager_inv_rms(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, 
     H200)."""
     if (VEC == 4 and not INTERLEAVED and ROT_DIM == HEAD_DIM and HEAD_DIM == 4 * LANES_Q and LANES_K == LANES_Q
             and BLOCK_HALF == HEAD_DIM // 2):
-        ss = _fold_lanes(_vector_sums(xa) + _vector_sums(xb))
+        ss = _fold_lanes(thread=_vector_sums(xa=xa) + _vector_sums(xa=xb))
     else:
         ss = _eager_sum_of_squares(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, rows_ok=rows_ok,
                                    stride_qd=stride_qd, stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, LANES=LANES_Q,
