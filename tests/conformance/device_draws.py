@@ -1,12 +1,16 @@
 """Every planted bug of the zoo under the device's draws, on the CPU.
 
     python -m tests.conformance.device_draws [CONVENTION ...]
+    python -m tests.conformance.device_draws --seeds 20 [CONVENTION ...]   # catch rates over 20 random seeds
 
 On a GPU the plan strategies draw device-sized cases (`spec.small()` is False); on the CPU the interpreter's small
 ones. A planted bug caught by one set of draws may pass the other, and `test_zoo.py` on a CPU sees only the small
 ones. This runs `test_zoo.falsify` for every (bug, property) pair with the device's draws, in this process on the
 CPU (the zoo's implementations are PyTorch), with the examples `test_zoo.catch_budget` gives them on a device,
-and exits 1 if any passes or crashes instead of failing a check.
+and exits 1 if any passes or crashes instead of failing a check. Each line names the example that caught the bug
+(of the budget): what a property needs on the device, for the known bugs. With --seeds N each (bug, property) runs
+on N other seeds' draws too (a certifying run's draws are random, not these derandomized ones) and the line gives
+how many of them caught it: a property whose catch rate is below 1 certifies a kernel with that bug by chance.
 """
 from __future__ import annotations
 
@@ -28,7 +32,12 @@ def device_draws() -> None:
 
 
 def main(argv=None) -> int:
-    names = (sys.argv[1:] if argv is None else argv)
+    names = list(sys.argv[1:] if argv is None else argv)
+    seeds = 0
+    if "--seeds" in names:
+        at = names.index("--seeds")
+        seeds = int(names[at + 1])
+        del names[at:at + 2]
     import conftest  # noqa: F401 - the suite's Hypothesis profiles, whose gpu count `catch_budget` gives
     device_draws()
     from . import test_zoo
@@ -38,12 +47,19 @@ def main(argv=None) -> int:
             continue
         for bug, (fn, props) in zoo.BUGS.items():
             for prop in props:
-                t0 = time.perf_counter()
-                failure = test_zoo.falsify(name, prop, fn, max_examples=test_zoo.catch_budget(prop))
+                t0, drawn = time.perf_counter(), []
+                budget = test_zoo.catch_budget(prop)
+                failure = test_zoo.falsify(name, prop, fn, max_examples=budget, drawn=drawn)
                 caught = isinstance(failure, AssertionError)
                 missed += not caught
                 verdict = "caught" if caught else "PASSED" if failure is None else f"crashed ({type(failure).__name__})"
-                print(f"{verdict:10s} {name} {bug} {prop} ({time.perf_counter() - t0:.1f} s)", flush=True)
+                rate = ""
+                if seeds:
+                    hits = sum(isinstance(test_zoo.falsify(name, prop, fn, max_examples=budget, draws_seed=s),
+                                          AssertionError) for s in range(seeds))
+                    rate = f", caught on {hits} of {seeds} seeds"
+                print(f"{verdict:10s} {name} {bug} {prop} (example {len(drawn)} of {budget}{rate}, "
+                      f"{time.perf_counter() - t0:.1f} s)", flush=True)
     print(f"{missed} planted bug(s) not caught" if missed else "every planted bug caught")
     return 1 if missed else 0
 

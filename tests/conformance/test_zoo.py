@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from . import run, spec
@@ -61,11 +61,22 @@ def zoo_modules():
     return out
 
 
-def falsify(name, prop, fn, declared=None, max_examples=ZOO_EXAMPLES):
-    """Run property `prop` of convention `name` on fn; the failure it finds (an exception), or None."""
+def _counted(check, drawn: list):
+    def counted(conv, fn, caps, plan, *rest):
+        drawn.append(plan)
+        return check(conv, fn, caps, plan, *rest)
+    return counted
+
+
+def falsify(name, prop, fn, declared=None, max_examples=ZOO_EXAMPLES, drawn=None, draws_seed=None):
+    """Run property `prop` of convention `name` on fn; the failure it finds (an exception), or None. `drawn`, a
+    list, gets each example's plan as it runs (its length, on a failure, is the example that caught it).
+    `draws_seed`: draws from that seed instead of the derandomized ones (a certifying run's are random)."""
     conv = spec.load(name)
     caps = conv.caps({**getattr(zoo(name), "CAPS", {}), **(declared or {})})
     check = PROPERTIES[prop] if prop in PROPERTIES else conv.INVARIANTS[prop]
+    if drawn is not None:  # counted outside the probe: its source seeds the derandomized draws
+        check = _counted(check, drawn)
 
     @settings(max_examples=max_examples, derandomize=True, database=None, deadline=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
@@ -77,6 +88,8 @@ def falsify(name, prop, fn, declared=None, max_examples=ZOO_EXAMPLES):
         else:
             check(conv, fn, caps, plan)
 
+    if draws_seed is not None:  # applied outside the probe's source, which seeds the derandomized draws
+        probe = seed(draws_seed)(probe)
     with no_local_constants():
         try:
             probe()
@@ -87,6 +100,20 @@ def falsify(name, prop, fn, declared=None, max_examples=ZOO_EXAMPLES):
 
 CASES = [(name, bug, prop) for name, mod in zoo_modules().items() for bug, (_, props) in mod.BUGS.items()
          for prop in props]
+
+
+def test_falsify_records_its_draws_and_takes_a_seed():
+    """What device_draws reports rests on these: `drawn` gets every example's plan, and `draws_seed` draws from that
+    seed (the same plans for the same seed, others for another) instead of the derandomized draws."""
+    fn = zoo("hf").CORRECT
+    runs = {}
+    for key, draws_seed in (("fixed", None), ("fixed again", None), ("seed 1", 1), ("seed 1 again", 1),
+                            ("seed 2", 2)):
+        runs[key] = []
+        assert falsify("hf", "forward", fn, max_examples=5, drawn=runs[key], draws_seed=draws_seed) is None
+    assert all(len(plans) == 5 for plans in runs.values()), {k: len(v) for k, v in runs.items()}
+    assert runs["fixed"] == runs["fixed again"] and runs["seed 1"] == runs["seed 1 again"]
+    assert runs["seed 1"] != runs["seed 2"] and runs["seed 1"] != runs["fixed"]
 
 
 @pytest.mark.parametrize("name,bug,prop", CASES, ids=[f"{n}-{b}-{p}" for n, b, p in CASES])

@@ -140,8 +140,16 @@ def draw_sequences(draw, caps, lim) -> dict:
         if not empty and not any(lengths):
             lengths[-1] = unit
         if not empty and cp_size > 1 and caps["uneven_cp"] and draw(st.booleans()):
-            # remainders that add up across sequences: local bounds are each global bound // cp_size
-            lengths = [n + draw(st.integers(0, unit - 1)) for n in lengths]
+            # remainders that add up across sequences: local bounds are each global bound // cp_size, past the sum
+            # of the local lengths once the remainders mod cp_size of the sequences before reach cp_size. The second
+            # sequence's is raised so that the first two reach it wherever the first's is not 0 (reached by chance,
+            # the case was in a few device draws in a hundred), with the same draws
+            rem = [draw(st.integers(0, unit - 1)) for _ in lengths]
+            if rem[0] % cp_size:
+                if len(rem) == 1:  # a second sequence, of the remainder's complement alone
+                    lengths, rem = [*lengths, 0], [*rem, 0]
+                rem[1] += max(0, cp_size - rem[0] % cp_size - rem[1] % cp_size)
+            lengths = [n + r for n, r in zip(lengths, rem, strict=True)]
             lengths[0] += 0 if any(n % unit for n in lengths) else 1
         lengths = tuple(lengths)
         pad = draw(st.integers(0, lim["pad"])) if caps["padding"] and not empty else 0
