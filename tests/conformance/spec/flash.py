@@ -133,6 +133,10 @@ class Flash(Convention):
                 draw(layouts(1)) if strides else contiguous(1),
                 draw(st.booleans()) if inplace and caps["inplace_leaf"] else False,
                 domains.explicit_defaults(draw, caps))
+            if p.inplace and caps["inplace_leaf"]:
+                # x a leaf: its boolean crossed with the head count's parity. Drawn after inplace's, the boolean alone
+                # could stay false over a run (Hypothesis repeats choices): 9 in-place plans of 50, none a leaf
+                p = p._replace(leaf=p.leaf != (p.h % 2 == 0))
             # [b, s, h, d] with s = 0, b = 0 or both (drawn above)
             zero = () if p.varlen else zero
             if "s" in zero:
