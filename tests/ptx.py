@@ -139,6 +139,7 @@ NORM_VARIANTS = [
     ("norm fwd, table bf16 d128", dict(table=True, norm=1, num_warps=1, split=True)),
     ("norm fwd, eager, rows of q and k apart", dict(table=True, norm=1, num_warps=1, split=True, eager=True,
                                                      lanes=(32, 64))),
+    ("norm fwd, eager, sums from the tile", dict(table=True, norm=1, num_warps=1, split=True, eager=True)),
     ("norm bwd, table bf16 d128", dict(table=True, norm=1, num_warps=1, split=True, backward=True)),
     ("norm fwd, Gemma, interleaved", dict(table=True, norm=2, interleaved=True, num_warps=2, split=True)),
     ("norm fwd, partial 64/128 fp32", dict(table=True, norm=1, dtype="fp32", d2=64, num_warps=2, split=True)),

@@ -61,8 +61,8 @@ def _eager_sum_of_squares(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stri
     steps: tl.constexpr = (HEAD_DIM + 4 * LANES - 1) // (4 * LANES)
     ok = rows_ok[:, None]
     if VEC == 4:
-        # step k's vectors are the contiguous channels [4 LANES k, 4 LANES (k + 1)): one wide load, split by the
-        # channel's place i = 2 i_hi + i_lo in its vector
+        # step k's vectors are the contiguous channels [4 LANES k, 4 LANES (k + 1)): one wide load, split into the
+        # four accumulators' channels in registers
         acc0 = tl.zeros((in_q.shape[0], LANES), tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
         for step in tl.static_range(steps):
@@ -70,9 +70,7 @@ def _eager_sum_of_squares(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stri
             x = tl.load(_tile_ptrs(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, cols=cols,
                                    stride_qd=stride_qd, stride_kd=stride_kd),
                         mask=ok & (cols < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
-            even, odd = tl.split(tl.reshape(x * x, (in_q.shape[0], LANES, 2, 2)))  # i_lo 0 and 1: [rows, lanes, i_hi]
-            x0, x2 = tl.split(even)
-            x1, x3 = tl.split(odd)
+            x0, x1, x2, x3 = _vector_squares(x=x)
             acc0, acc1, acc2, acc3 = acc0 + x0, acc1 + x1, acc2 + x2, acc3 + x3
         thread = ((acc0 + acc1) + acc2) + acc3
     else:
@@ -102,11 +100,19 @@ def _fold_lanes(thread):
 
 
 @triton.jit
-def _vector_sums(xa):
-    """[rows, 4 G] -> [rows, G]: ((x0^2 + x1^2) + x2^2) + x3^2 of each vector of 4 consecutive channels."""
-    even, odd = tl.split(tl.reshape(xa * xa, (xa.shape[0], xa.shape[1] // 4, 2, 2)))
+def _vector_squares(x):
+    """[rows, 4 G] -> four [rows, G]: the squares of channel i = 0..3 of each vector of 4 consecutive channels, split
+    in registers by the channel's place i = 2 i_hi + i_lo."""
+    even, odd = tl.split(tl.reshape(x * x, (x.shape[0], x.shape[1] // 4, 2, 2)))  # i_lo 0 and 1: [rows, G, i_hi]
     x0, x2 = tl.split(even)
     x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _vector_sums(xa):
+    """[rows, 4 G] -> [rows, G]: ((x0^2 + x1^2) + x2^2) + x3^2 of each vector of 4 consecutive channels."""
+    x0, x1, x2, x3 = _vector_squares(x=xa)
     return ((x0 + x1) + x2) + x3
 
 

@@ -115,7 +115,9 @@ def weight_grad_one_head(q, k, q_weight, k_weight, cos, sin, eps=1e-6, unsqueeze
 def _cuda_mean_of_squares(h):
     """h.pow(2).mean(-1, keepdim=True) for float32 h as PyTorch's CUDA kernels sum a row (Reduce.cuh, torch 2.10
     and later): on CUDA the expression; on the CPU its order, W threads a row (W by the row count N and d), each
-    summing its channels into four accumulators, the threads folded in half, times float32(N) / float32(N d)."""
+    summing its channels into four accumulators, the threads folded in half, times float32(N) / float32(N d). Written
+    apart from the spec's `qknorm_math.cuda_row_mean_of_squares`, so that the schedule verdicts compare two
+    transcriptions of that order, not one with itself."""
     h = h.contiguous()
     if h.is_cuda:
         return h.pow(2).mean(-1, keepdim=True)
