@@ -221,8 +221,9 @@ def _norm_rotate_store(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_
     else:
         ya, yb, yt = xa * r * wa, xb * r * wb, xt * r * wt
     if EAGER:
+        # eager QK norm takes its tables in q's dtype (`check_norm_schedule`)
         out_a, out_b = _rotated_eager(xa=ya, xb=yb, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a, sin_b=sin_b, out_ty=out_ty,
-                                      RNE_BF16=RNE_BF16)
+                                      RNE_BF16=RNE_BF16, ANGLES_IN_OUT=True)
     else:
         out_a, out_b = ya * cos_a - yb * sin_a, yb * cos_b + ya * sin_b
     _store_head(q_rows_ptr=q_rows_ptr, k_rows_ptr=k_rows_ptr, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
