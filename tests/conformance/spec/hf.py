@@ -20,7 +20,7 @@ from .. import pairing
 from ..compare import assert_bitwise, assert_undone, assert_within
 from ..contract import Returned, Snapshot
 from ..run import make_case
-from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
+from ..tensors import DTYPES, Layout, channel_layouts, contiguous, layouts, seeds
 from . import Case, Convention, Expect, domains, small
 
 
@@ -106,7 +106,8 @@ class HF(Convention):
                 draw(st.sampled_from(caps["unsqueeze_dim"])),
                 draw(st.sampled_from((1, b))) if caps["cos_batch"] else 1,
                 draw(st.booleans()) if caps["elementwise_tables"] else True,
-                draw(layouts(4)) if strides else contiguous(4), draw(layouts(4)) if strides else contiguous(4),
+                draw(channel_layouts(4)) if strides else contiguous(4),
+                draw(channel_layouts(4)) if strides else contiguous(4),
                 cos_layout, draw(st.booleans()) if caps.get("position_ids") else False, rotary,
                 domains.explicit_defaults(draw, caps))
 
@@ -413,10 +414,11 @@ HF.INVARIANTS = INVARIANTS
 
 
 def heads_domain(x: str) -> tuple:
-    """q's (or x's) classes: its dtype, its sequence length, its layout."""
+    """q's (or x's) classes: its dtype, its sequence length, its layout (its channels too may be strided: the
+    expression takes any tensor)."""
     return (*domains.dtypes(lambda p: p.dtype),
             *domains.sizes(lambda p: p.s, "empty", "s"),
-            *domains.layouts(x))
+            *domains.layouts(x), domains.spaced(x))
 
 
 def tables_domain(arg: str = "cos") -> tuple:
@@ -440,7 +442,7 @@ def unsqueeze_domain() -> tuple:
 
 
 def k_domain() -> tuple:
-    return (*domains.layouts("k"),
+    return (*domains.layouts("k"), domains.spaced("k"),
             domains.cls("as many heads as q", lambda p, c: p.hk == p.hq),
             domains.cls("fewer heads than q (GQA)", lambda p, c: p.hk < p.hq, "gqa"))
 

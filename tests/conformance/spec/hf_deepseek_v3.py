@@ -83,7 +83,9 @@ class HFDeepSeekV3(HF):
         strides = caps["strides"]
 
         def heads_layout(nopes):
-            return st.one_of(layouts(4), wide_layouts(nopes)) if strides else st.just(contiguous(4))
+            # channels strided too (`channel_layouts`' classes, in an order that draws each within the CPU budget)
+            return st.one_of(layouts(4, spaced=True), layouts(4), wide_layouts(nopes)) if strides \
+                else st.just(contiguous(4))
 
         @st.composite
         def draw(draw):
@@ -344,12 +346,12 @@ def _pow2(n: int) -> bool:
 HFDeepSeekV3.DOMAIN = {
     "q": (*domains.dtypes(lambda p: p.dtype),
           *domains.sizes(lambda p: p.s, "empty", "s"),
-          *domains.layouts("q"),
+          *domains.layouts("q"), domains.spaced("q"),
           domains.cls("the rope slice of a wider head", _is_wide(lambda p: p.q_layout), "strides"),
           domains.cls("head dim 2 (one pair)", lambda p, c: p.d == 2),
           domains.cls("head dim a power of two > 2", lambda p, c: p.d > 2 and _pow2(p.d)),
           domains.cls("head dim not a power of two", lambda p, c: not _pow2(p.d))),
-    "k": (*domains.layouts("k"),
+    "k": (*domains.layouts("k"), domains.spaced("k"),
           domains.cls("a slice of a wider projection", _is_wide(lambda p: p.k_layout), "strides"),
           domains.cls("as many heads as q", lambda p, c: p.hk == p.hq),
           domains.cls("fewer heads than q (GQA)", lambda p, c: p.hk < p.hq, "gqa"),

@@ -24,7 +24,7 @@ from .. import pairing
 from ..compare import assert_bitwise, assert_within
 from ..contract import Returned
 from ..run import inputs64, make_case
-from ..tensors import Layout, contiguous, layouts, seeds
+from ..tensors import Layout, channel_layouts, contiguous, layouts, seeds
 from . import Case, Convention, Expect, domains, small
 from .hf import HF, rotary_widths
 
@@ -158,7 +158,8 @@ class HFMRoPE(Convention):
                 draw(st.sampled_from(caps["unsqueeze_dim"])),
                 draw(st.sampled_from((1, b))) if caps["cos_batch"] else 1,
                 draw(st.booleans()) if caps["elementwise_tables"] else True,
-                draw(layouts(4)) if strides else contiguous(4), draw(layouts(4)) if strides else contiguous(4),
+                draw(channel_layouts(4)) if strides else contiguous(4),
+                draw(channel_layouts(4)) if strides else contiguous(4),
                 cos_layout, rot, domains.explicit_defaults(draw, caps))
 
         return draw()

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ..compare import assert_bitwise
 from ..run import make_case
-from ..tensors import Layout, layouts
+from ..tensors import Layout, channel_layouts
 from . import domains
 from .hf import HF, INVARIANTS, call
 from .hf import Plan as HFPlan
@@ -65,7 +65,7 @@ class Liger(HF):
 
     def plans(self, caps):
         plain = super().plans(caps)
-        head_layouts = st.one_of(st.just(PROJECTION), layouts(4)) \
+        head_layouts = st.one_of(st.just(PROJECTION), channel_layouts(4)) \
             if caps["strides"] else st.just(PROJECTION)
 
         @st.composite

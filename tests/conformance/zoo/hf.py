@@ -237,6 +237,20 @@ def _dense_strides(shape) -> list:
     return strides
 
 
+def _channels_adjacent(x):
+    """x with its channels read as adjacent (last-dim stride 1), its other strides kept: within x's storage, since
+    the view's last offset only moves down."""
+    if x.numel() == 0 or x.stride(-1) == 1:
+        return x
+    return torch.as_strided(x, x.shape, (*x.stride()[:-1], 1), x.storage_offset())
+
+
+def channels_read_as_adjacent(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Reads q's and k's channels as adjacent (a kernel that takes the row strides and assumes dense channels):
+    right wherever the channels are adjacent, wrong for a head whose last dim has another stride."""
+    return correct(_channels_adjacent(q), _channels_adjacent(k), cos, sin, position_ids, unsqueeze_dim)
+
+
 class _GradReadAsContiguous(torch.autograd.Function):
     """The rotation, whose backward reads the upstream gradient through dense strides from its data pointer (a
     kernel handed g.data_ptr() alone): right for a contiguous g only."""
@@ -341,6 +355,7 @@ BUGS = {
     "mixed_tables_cast_to_q": (mixed_tables_cast_to_q, ("forward",)),
     "empty_returns_flat": (empty_returns_flat, ("forward",)),
     "grad_read_as_contiguous": (grad_read_as_contiguous, ("backward",)),
+    "channels_read_as_adjacent": (channels_read_as_adjacent, ("forward",)),
     "grad_channels_read_as_adjacent": (grad_channels_read_as_adjacent, ("backward",)),
     "math_changes_between_calls": (math_changes_between_calls, ("determinism",)),
     "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),

@@ -211,6 +211,20 @@ def math_changes_between_calls(q, k, cos, sin, position_ids=None, unsqueeze_dim=
     return _both(q, k, cos, sin, unsqueeze_dim, math_dtype=torch.float64 if _CALLS[0] % 2 else torch.float32)
 
 
+def _channels_adjacent(x):
+    """x with its channels read as adjacent (last-dim stride 1), its other strides kept: within x's storage, since
+    the view's last offset only moves down."""
+    if x.numel() == 0 or x.stride(-1) == 1:
+        return x
+    return torch.as_strided(x, x.shape, (*x.stride()[:-1], 1), x.storage_offset())
+
+
+def channels_read_as_adjacent(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Reads q's and k's channels as adjacent (a kernel that takes the row strides and assumes dense channels):
+    right wherever the channels are adjacent, wrong for a head whose last dim has another stride."""
+    return correct(_channels_adjacent(q), _channels_adjacent(k), cos, sin, position_ids, unsqueeze_dim)
+
+
 CORRECT = correct
 CLI_BUG = "no_deinterleave"
 BUGS = {
@@ -225,6 +239,7 @@ BUGS = {
     "backward_permutes_forward": (backward_permutes_forward, ("backward",)),
     "backward_not_transposed": (backward_not_transposed, ("backward",)),
     "wide_head_read_as_dense": (wide_head_read_as_dense, ("forward",)),
+    "channels_read_as_adjacent": (channels_read_as_adjacent, ("forward",)),
     "narrow_tables_as_partial": (narrow_tables_as_partial, ("refuses_bad_input",)),
     "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "math_changes_between_calls": (math_changes_between_calls, ("determinism",)),
