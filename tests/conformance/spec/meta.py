@@ -22,7 +22,7 @@ from ..accuracy import bound
 from ..compare import assert_bitwise, assert_undone, assert_within
 from ..contract import Returned
 from ..run import make_case
-from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
+from ..tensors import DTYPES, Layout, channel_layouts, contiguous, layouts, seeds
 from . import Case, Convention, Expect, domains, small
 
 
@@ -99,7 +99,8 @@ class Meta(Convention):
             strides = caps["strides"]
             return Plan(draw(seeds()), draw(st.sampled_from(caps["dtypes"])), b, s, hq, hk,
                         draw(st.sampled_from(lim["dims"])), table,
-                        draw(layouts(4)) if strides else contiguous(4), draw(layouts(4)) if strides else contiguous(4),
+                        draw(channel_layouts(4)) if strides else contiguous(4),
+                        draw(channel_layouts(4)) if strides else contiguous(4),
                         draw(layouts(f_dims)) if strides and table != "expanded" else contiguous(f_dims))
 
         return draw()
@@ -255,9 +256,9 @@ CONVENTION = Meta()
 
 
 Meta.DOMAIN = {
-    "xq": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("xq"),
+    "xq": (*domains.dtypes(lambda p: p.dtype), *domains.layouts("xq"), domains.spaced("xq"),
            *domains.sizes(lambda p: p.s, "empty", "s")),
-    "xk": (*domains.layouts("xk"), *domains.head_counts(lambda p: (p.hq, p.hk))),
+    "xk": (*domains.layouts("xk"), domains.spaced("xk"), *domains.head_counts(lambda p: (p.hq, p.hk))),
     "freqs_cis": (domains.cls("[s, d/2]", lambda p, c: p.table == "seq"),
                   domains.cls("[1, s, d/2]", lambda p, c: p.table == "one", "per_token"),
                   domains.cls("[b, s, d/2]", lambda p, c: p.table == "batch", "per_token"),

@@ -137,11 +137,22 @@ def reshape_as_meta(xq, xk, freqs_cis):
 
 reshape_as_meta.rope_capabilities = {"empty": False}
 
+def channels_read_as_adjacent(xq, xk, freqs_cis):
+    """Reads xq's and xk's channels as adjacent (a kernel that takes the row strides and assumes dense channels):
+    right wherever they are adjacent, wrong for a head whose last dim has another stride."""
+    def adjacent(x):
+        if x.numel() == 0 or x.stride(-1) == 1:
+            return x
+        return torch.as_strided(x, x.shape, (*x.stride()[:-1], 1), x.storage_offset())
+    return correct(adjacent(xq), adjacent(xk), freqs_cis)
+
+
 CORRECT = correct
 BUGS = {
     "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
     "half_split_pairs": (half_split_pairs, ("forward", "pair_norms")),
     "conj_angle": (conj_angle, ("forward",)),
+    "channels_read_as_adjacent": (channels_read_as_adjacent, ("forward",)),
     "k_first_batch_rows": (k_first_batch_rows, ("forward", "batch_entry_alone", "swap_q_k")),
     "per_token_ignored": (per_token_ignored, ("forward", "batch_entry_alone")),
     "k_not_rotated": (k_not_rotated, ("forward", "swap_q_k")),
