@@ -164,8 +164,7 @@ def rope_qk_kernel(
                       sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
                       INTERLEAVED=INTERLEAVED or PERMUTE == 2,
                       BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
-                      INPLACE=INPLACE, EAGER=EAGER, ROT_START=ROT_START,
-                      ANGLES_IN_OUT=angles_in_out)
+                      INPLACE=INPLACE, EAGER=EAGER, ROT_START=ROT_START, ANGLES_IN_OUT=angles_in_out)
     # MULTI_TILE: a program may hold more than one tile of rows; else the loop, which would not run, is not compiled
     if MULTI_TILE:
         for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
@@ -189,8 +188,7 @@ def rope_qk_kernel(
                               sin_b=sin_b, out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
                               INTERLEAVED=INTERLEAVED or PERMUTE == 2, BLOCK_R=BLOCK_R,
                               BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
-                              INPLACE=INPLACE, EAGER=EAGER, ROT_START=ROT_START,
-                      ANGLES_IN_OUT=angles_in_out)
+                              INPLACE=INPLACE, EAGER=EAGER, ROT_START=ROT_START, ANGLES_IN_OUT=angles_in_out)
 
 
 @triton.jit(do_not_specialize=_COUNTS)

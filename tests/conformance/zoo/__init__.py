@@ -16,6 +16,15 @@ def rotate_half(x, interleaved=False):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def channels_adjacent(x):
+    """x with its channels read as adjacent (last-dim stride 1), its other strides kept, as a kernel that takes the
+    row strides and assumes dense channels reads it: within x's storage, since the view's last offset only moves
+    down."""
+    if x.numel() == 0 or x.stride(-1) == 1:
+        return x
+    return torch.as_strided(x, x.shape, (*x.stride()[:-1], 1), x.storage_offset())
+
+
 def per_channel(half, interleaved):
     """A table with one column per pair -> one per channel."""
     return half.repeat_interleave(2, dim=-1) if interleaved else torch.cat([half, half], dim=-1)

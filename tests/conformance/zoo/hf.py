@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import rotate_half
+from . import channels_adjacent, rotate_half
 
 
 def _embed(x, cos, sin, out_dtype, math_dtype=torch.float32, interleaved=False):
@@ -237,18 +237,10 @@ def _dense_strides(shape) -> list:
     return strides
 
 
-def _channels_adjacent(x):
-    """x with its channels read as adjacent (last-dim stride 1), its other strides kept: within x's storage, since
-    the view's last offset only moves down."""
-    if x.numel() == 0 or x.stride(-1) == 1:
-        return x
-    return torch.as_strided(x, x.shape, (*x.stride()[:-1], 1), x.storage_offset())
-
-
 def channels_read_as_adjacent(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Reads q's and k's channels as adjacent (a kernel that takes the row strides and assumes dense channels):
     right wherever the channels are adjacent, wrong for a head whose last dim has another stride."""
-    return correct(_channels_adjacent(q), _channels_adjacent(k), cos, sin, position_ids, unsqueeze_dim)
+    return correct(channels_adjacent(q), channels_adjacent(k), cos, sin, position_ids, unsqueeze_dim)
 
 
 class _GradReadAsContiguous(torch.autograd.Function):
@@ -286,7 +278,7 @@ class _GradUnitLastStride(_GradReadAsContiguous):
     @staticmethod
     def backward(ctx, g):
         x, cos, sin = ctx.saved_tensors
-        g = torch.as_strided(g, g.shape, (*g.stride()[:-1], 1), g.storage_offset())
+        g = channels_adjacent(g)
         with torch.enable_grad():
             leaf = x.detach().requires_grad_()
             (grad,) = torch.autograd.grad(_embed(leaf, cos, sin, ctx.out_dtype), leaf, g)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import rotate_half
+from . import channels_adjacent, rotate_half
 
 
 def deinterleave(x):
@@ -211,18 +211,10 @@ def math_changes_between_calls(q, k, cos, sin, position_ids=None, unsqueeze_dim=
     return _both(q, k, cos, sin, unsqueeze_dim, math_dtype=torch.float64 if _CALLS[0] % 2 else torch.float32)
 
 
-def _channels_adjacent(x):
-    """x with its channels read as adjacent (last-dim stride 1), its other strides kept: within x's storage, since
-    the view's last offset only moves down."""
-    if x.numel() == 0 or x.stride(-1) == 1:
-        return x
-    return torch.as_strided(x, x.shape, (*x.stride()[:-1], 1), x.storage_offset())
-
-
 def channels_read_as_adjacent(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """Reads q's and k's channels as adjacent (a kernel that takes the row strides and assumes dense channels):
     right wherever the channels are adjacent, wrong for a head whose last dim has another stride."""
-    return correct(_channels_adjacent(q), _channels_adjacent(k), cos, sin, position_ids, unsqueeze_dim)
+    return correct(channels_adjacent(q), channels_adjacent(k), cos, sin, position_ids, unsqueeze_dim)
 
 
 CORRECT = correct

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import rotate_half
+from . import channels_adjacent, rotate_half
 
 
 def broadcast(freqs_cis):
@@ -137,14 +137,11 @@ def reshape_as_meta(xq, xk, freqs_cis):
 
 reshape_as_meta.rope_capabilities = {"empty": False}
 
+
 def channels_read_as_adjacent(xq, xk, freqs_cis):
     """Reads xq's and xk's channels as adjacent (a kernel that takes the row strides and assumes dense channels):
     right wherever they are adjacent, wrong for a head whose last dim has another stride."""
-    def adjacent(x):
-        if x.numel() == 0 or x.stride(-1) == 1:
-            return x
-        return torch.as_strided(x, x.shape, (*x.stride()[:-1], 1), x.storage_offset())
-    return correct(adjacent(xq), adjacent(xk), freqs_cis)
+    return correct(channels_adjacent(xq), channels_adjacent(xk), freqs_cis)
 
 
 CORRECT = correct
