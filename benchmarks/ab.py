@@ -83,6 +83,14 @@ def cases(R):
     wq = torch.randn(128, device=dev, dtype=bf)
     wk = torch.randn(128, device=dev, dtype=bf)
     out["qknorm 4K fwd"] = lambda: R.qknorm.apply(qp, kp, wq, wk, cos, sin)
+    leaves = [x.detach().clone().requires_grad_() for x in (qp, kp, wq, wk)]
+    ups = [torch.randn_like(x) for x in (qp, kp)]
+    out["qknorm 4K fwd+bwd"] = lambda: torch.autograd.grad(R.qknorm.apply(*leaves, cos, sin), leaves, ups)
+    qd = torch.randn(64, 1, 32, 128, device=dev, dtype=bf).transpose(1, 2)
+    kd = torch.randn(64, 1, 8, 128, device=dev, dtype=bf).transpose(1, 2)
+    angd = torch.rand(64, 1, 64, device=dev) * 100
+    cosd, sind = torch.cat([angd, angd], -1).cos().to(bf), torch.cat([angd, angd], -1).sin().to(bf)
+    out["qknorm decode 64 fwd"] = lambda: R.qknorm.apply(qd, kd, wq, wk, cosd, sind)
     return out
 
 

@@ -660,11 +660,16 @@ def norm_rotate_qk_backward(call, grad_q, grad_k, q, k, weights, norm, eps, angl
     plan = _norm_plan(call, grad_q, grad_k, angles, True, False, pos_table, pos_strides,
                       _index_key(start_positions, token_index), norm, eps, weights, (q, k))
     gq, gk = empty(grad_q, plan.dense[0]), empty(grad_k, plan.dense[1])
-    part = torch.empty((plan.grid[0], 2, d), dtype=torch.float32, device=q.device)
+    # per program: q's and k's partial weight gradients, then the kernel's scratch (`rope_qknorm_kernel`)
+    part = torch.empty((plan.grid[0], 2 * d + plan.scalars[_NORM_BLOCK_R]), dtype=torch.float32, device=q.device)
     cos, sin, start, index = _pointers(angles, start_positions, token_index)
     run(plan, (grad_q, gq, grad_k, gk, cos, sin, start, index, *weights, q, k, part))
-    gw = part.sum(0)
+    gw = part[:, :2 * d].sum(0).view(2, d)
     return gq, gk, gw[0].to(weights[0].dtype), gw[1].to(weights[1].dtype)
+
+
+# where the QK-norm kernel's tile rows are among a plan's scalars (`kernel_args`)
+_NORM_BLOCK_R = [n for n in rope_qknorm_kernel.arg_names if not n.endswith("_ptr")].index("BLOCK_R")
 
 
 # RoPE fused with the KV-cache write (`kernels.rope_cache_kernel`): plans per signature, as `plan_for`'s.

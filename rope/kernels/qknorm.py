@@ -5,7 +5,8 @@ tile is one whole head (channels a, b and the tail), so the norm is a reduction 
 (channels ROT_DIM..HEAD_DIM) is normalised and weighted, not copied, so it is loaded and stored in place too (the
 launcher gives it a tile of one masked column where there is none). Backward: the program loops over work items
 (pid, pid + n_progs, ...) and writes its partial weight gradients, q's then k's, to row pid of
-weight_grad_partials [n_progs, 2, HEAD_DIM]; the launcher sums the rows in a fixed order (no atomics).
+weight_grad_partials [n_progs, 2 * HEAD_DIM + BLOCK_R]; the launcher sums the rows in a fixed order (no atomics). The
+row's last BLOCK_R entries are the program's scratch (each tile's r).
 """
 import triton
 import triton.language as tl
@@ -42,10 +43,24 @@ def _load_head(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_kd, HEAD
 
 
 @triton.jit
+def _row_sum(x):
+    """[rows, N] -> [rows], N a power of two: each row summed as a balanced tree, adjacent pairs first (channels
+    2j + 1 added to 2j, then the pairs' sums the same way, ...). Each step is a sum over an axis of 2, which is one
+    addition whatever layout the compiler gives the tile (addition commutes), so the order is fixed by N alone;
+    `tl.sum` adds in the order of the tile's register layout, which Triton picks by the rows' alignment too."""
+    for _ in tl.static_range(10):  # N <= 1024 = 2^10 halvings, the rest skipped at compile time
+        if x.shape[1] > 1:
+            x = tl.sum(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)), axis=2)
+    return tl.reshape(x, (x.shape[0],))
+
+
+@triton.jit
 def _inv_rms(xa, xb, xt, eps, HEAD_DIM: tl.constexpr):
-    """r = rsqrt(mean(x^2) + eps) per row, as a [rows, 1] column (float32)."""
-    ss = tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1) + tl.sum(xt * xt, axis=1)
-    return tl.rsqrt(ss / HEAD_DIM + eps)[:, None]
+    """r = rsqrt(mean(x^2) + eps) per row, as a [rows] vector (float32): the sums of squares of a, of b and of the
+    tail, each as `_row_sum`'s tree, then (a + b) + tail. The order is fixed by the head's shape alone: batch
+    invariant whatever the rows' alignment."""
+    ss = (_row_sum(x=xa * xa) + _row_sum(x=xb * xb)) + _row_sum(x=xt * xt)
+    return tl.rsqrt(ss / HEAD_DIM + eps)
 
 
 @triton.jit
@@ -203,7 +218,7 @@ def _norm_rotate_store(q_rows_ptr, k_rows_ptr, in_q, rows_ok, stride_qd, stride_
                            HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_HALF=BLOCK_HALF,
                            LANES_Q=LANES_Q, LANES_K=LANES_K, VEC=VEC)
     else:
-        r = _inv_rms(xa=xa, xb=xb, xt=xt, eps=eps, HEAD_DIM=HEAD_DIM)
+        r = _inv_rms(xa=xa, xb=xb, xt=xt, eps=eps, HEAD_DIM=HEAD_DIM)[:, None]
     wa, wb, wt = _tile_weights(q_weight_ptr=q_weight_ptr, k_weight_ptr=k_weight_ptr, in_q=in_q, rows_ok=rows_ok,
                                HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_HALF=BLOCK_HALF,
                                BLOCK_TAIL=BLOCK_TAIL, NORM=NORM)
@@ -323,6 +338,8 @@ def rope_qknorm_kernel(
                                BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
                                INPLACE=INPLACE, NORM=NORM, EAGER=EAGER, LANES_Q=LANES_Q, LANES_K=LANES_K, VEC=VEC)
     else:
+        row = weight_grad_partials_ptr + pid.to(tl.int64) * (2 * HEAD_DIM + BLOCK_R)
+        scratch = row + 2 * HEAD_DIM + tl.arange(0, BLOCK_R)
         acc_qa = tl.zeros([BLOCK_HALF], tl.float32)
         acc_qb = tl.zeros([BLOCK_HALF], tl.float32)
         acc_ka = tl.zeros([BLOCK_HALF], tl.float32)
@@ -370,7 +387,13 @@ def rope_qknorm_kernel(
                                         stride_qd=stride_sqd, stride_kd=stride_skd, HEAD_DIM=HEAD_DIM,
                                         ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R,
                                         BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL)
-                r = _inv_rms(xa=xa, xb=xb, xt=xt, eps=eps, HEAD_DIM=HEAD_DIM)
+                # r passes through the program's scratch row: read back, it takes the tile's layout without the
+                # compiler computing na and the weight-gradient partials in the layout of `_row_sum`'s last step
+                # (2.4 x the instructions, and spills: sm_90 SASS)
+                tl.store(scratch, tl.reshape(_inv_rms(xa=xa, xb=xb, xt=xt, eps=eps, HEAD_DIM=HEAD_DIM), (BLOCK_R,)))
+                tl.debug_barrier()
+                r = tl.load(scratch)[:, None]
+                tl.debug_barrier()  # every thread has read r before the next tile's store
                 wa, wb, wt = _tile_weights(q_weight_ptr=q_weight_ptr, k_weight_ptr=k_weight_ptr, in_q=in_q,
                                            rows_ok=rows_ok, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
                                            INTERLEAVED=INTERLEAVED, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
@@ -379,7 +402,7 @@ def rope_qknorm_kernel(
                 ua = ga * cos_a - gb * sin_a  # R^T g (the adjoint's sines)
                 ub = gb * cos_b + ga * sin_b
                 gna, gnb, gnt = ua * wa, ub * wb, gt * wt
-                dot = (tl.sum(gna * na, axis=1) + tl.sum(gnb * nb, axis=1) + tl.sum(gnt * nt, axis=1))[:, None]
+                dot = ((_row_sum(x=gna * na) + _row_sum(x=gnb * nb)) + _row_sum(x=gnt * nt))[:, None]
                 dot = dot / HEAD_DIM
                 _store_head(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
                             stride_kd=stride_kod, out_a=r * (gna - na * dot), out_b=r * (gnb - nb * dot),
@@ -394,7 +417,6 @@ def rope_qknorm_kernel(
                 acc_ka += tl.sum(tl.where(rk, ua * na, 0.0), axis=0)
                 acc_kb += tl.sum(tl.where(rk, ub * nb, 0.0), axis=0)
                 acc_kt += tl.sum(tl.where(rk, gt * nt, 0.0), axis=0)
-        row = weight_grad_partials_ptr + pid.to(tl.int64) * (2 * HEAD_DIM)
         tl.store(row + col_a, acc_qa, mask=k_ok)
         tl.store(row + col_b, acc_qb, mask=k_ok)
         tl.store(row + t_cols, acc_qt, mask=t_ok)

@@ -246,3 +246,52 @@ def test_apply_cache_mrope_bad_input(name, exc, over):
         qn.apply_cache(**args)
     assert str(err.value).startswith(name), str(err.value)
     assert all(torch.equal(x, y) for x, y in zip((q, k, pos), before, strict=True))
+
+
+def _in_buffer(x: torch.Tensor, buffer: str) -> torch.Tensor:
+    """x's values in a new tensor of the same shape: contiguous, with its rows padded (3 spare channels after each
+    head), or contiguous but one element past a 16-byte boundary (neither vector loads nor 16-byte divisible
+    pointers are possible)."""
+    if buffer == "contiguous":
+        return x.clone()
+    if buffer == "row-padded":
+        wide = torch.empty(*x.shape[:-1], x.shape[-1] + 3, dtype=x.dtype, device=x.device)
+        wide[..., :x.shape[-1]] = x
+        return wide[..., :x.shape[-1]]
+    flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+    out = flat[1:].view(x.shape)
+    out.copy_(x)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("d", [64, 80])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half-split", "interleaved"])
+def test_rows_bitwise_whatever_their_buffer(dtype, d, interleaved):
+    """A head's outputs and its input gradients are bitwise the same whether q and k lie contiguous, in row-padded
+    buffers or misaligned: the compiled variant (and with it the tile's register layout, which Triton picks by the
+    rows' alignment) must not change the norm's order of summation (docs/contract.md, "Batch invariant"). Only a
+    GPU can fail it: the interpreter adds in one order whatever the layout. Float32 outputs show a sum's last bit
+    in most rows; 16-bit outputs in few (the H200's GPU suite saw one element of 5376, fp16, d 64, interleaved)."""
+    gen = torch.Generator().manual_seed(d)
+    b, s, hq, hk = 4, (64 if DEVICE == "cuda" else 3), 1, 5
+    q = torch.randn(b, s, hq, d, generator=gen).to(dtype).to(DEVICE)
+    k = torch.randn(b, s, hk, d, generator=gen).to(dtype).to(DEVICE)
+    th = (torch.rand(b, s, d // 2, generator=gen) * 9).to(DEVICE)
+    twice = (lambda t: t.repeat_interleave(2, -1)) if interleaved else (lambda t: torch.cat([t, t], -1))
+    cos, sin = twice(th.cos()).to(dtype), twice(th.sin()).to(dtype)
+    wq, wk = (torch.randn(d, generator=gen).to(DEVICE) for _ in range(2))
+    up_q = torch.randn(q.shape, generator=gen).to(dtype).to(DEVICE)
+    up_k = torch.randn(k.shape, generator=gen).to(dtype).to(DEVICE)
+    results = {}
+    for buffer in ("contiguous", "row-padded", "misaligned"):
+        qi = _in_buffer(q, buffer).requires_grad_()
+        ki = _in_buffer(k, buffer).requires_grad_()
+        qo, ko = qn.apply(qi, ki, wq, wk, cos, sin, eps=1e-6, unsqueeze_dim=2, interleaved=interleaved)
+        torch.autograd.backward((qo, ko), (up_q, up_k))
+        results[buffer] = (qo.detach(), ko.detach(), qi.grad, ki.grad)
+    for buffer in ("row-padded", "misaligned"):
+        for name, want, got in zip(("q", "k", "grad q", "grad k"), results["contiguous"], results[buffer],
+                                   strict=True):
+            differ = (got != want).sum().item()
+            assert differ == 0, f"{name}: {differ} of {want.numel()} elements differ, {buffer} against contiguous"
