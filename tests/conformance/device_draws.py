@@ -10,9 +10,9 @@ CPU (the zoo's implementations are PyTorch), with the examples `test_zoo.catch_b
 and exits 1 if any passes or crashes instead of failing a check. Each line names the example that caught the bug
 (of the budget): what a property needs on the device, for the known bugs. With --seeds N each (bug, property) runs
 on N other seeds' draws too (a certifying run's draws are random, not these derandomized ones) and the line gives
-how many of them caught it, on how many the bug raised an error of its own first (a failed run too, but no verdict
-of the property's), and on how many it PASSED: a property that passes a planted bug on some seeds certifies a
-kernel with that bug by chance, and counts as a miss.
+how many of them caught it (and at which example each), on how many the bug raised an error of its own first (a
+failed run too, but no verdict of the property's), and on how many it PASSED: a property that passes a planted bug
+on some seeds certifies a kernel with that bug by chance, and counts as a miss.
 """
 from __future__ import annotations
 
@@ -56,12 +56,17 @@ def main(argv=None) -> int:
                 verdict = "caught" if caught else "PASSED" if failure is None else f"crashed ({type(failure).__name__})"
                 rate, passed = "", 0
                 if seeds:
-                    verdicts = [test_zoo.falsify(name, prop, fn, max_examples=budget, draws_seed=s)
-                                for s in range(seeds)]
+                    verdicts, at = [], []
+                    for s in range(seeds):
+                        seen = []
+                        verdicts.append(test_zoo.falsify(name, prop, fn, max_examples=budget, drawn=seen,
+                                                         draws_seed=s))
+                        if isinstance(verdicts[-1], AssertionError):
+                            at.append(len(seen))
                     hits = sum(isinstance(v, AssertionError) for v in verdicts)
                     passed = sum(v is None for v in verdicts)
-                    rate = (f", caught on {hits} of {seeds} seeds, the target raised first on {seeds - hits - passed}"
-                            f", PASSED on {passed}")
+                    rate = (f", caught on {hits} of {seeds} seeds (at examples {sorted(at)}), the target raised "
+                            f"first on {seeds - hits - passed}, PASSED on {passed}")
                 missed += not caught or passed > 0  # one miss per (bug, property)
                 print(f"{verdict:10s} {name} {bug} {prop} (example {len(drawn)} of {budget}{rate}, "
                       f"{time.perf_counter() - t0:.1f} s)", flush=True)

@@ -24,12 +24,12 @@ def run_budget(conv) -> int:
     and invariant properties together: the CPU counts in the CI default (cpu-interp profile), else the profile's
     count (ROPE_MAX_EXAMPLES included) for each. On a device the strategies draw device-sized plans, so the proof
     is for the draws this run makes."""
-    def examples(prop):
-        n = examples_for(prop, current_profile(), os.environ)
+    def examples(prop, invariant=None):
+        n = examples_for(prop, current_profile(), os.environ, invariant)
         return settings.default.max_examples if n is None else n
 
     return (examples("forward") + (examples("backward") if conv.DIFFERENTIABLE else 0)
-            + examples("invariant") * len(conv.INVARIANTS))
+            + sum(examples("invariant", (conv.NAME, inv)) for inv in conv.INVARIANTS))
 
 
 def drawn_classes(conv, caps, examples: int) -> dict:
