@@ -270,9 +270,9 @@ def _in_buffer(x: torch.Tensor, buffer: str) -> torch.Tensor:
 def test_rows_bitwise_whatever_their_buffer(dtype, d, interleaved):
     """A head's outputs and its input gradients are bitwise the same whether q and k lie contiguous, in row-padded
     buffers or misaligned: the compiled variant (and with it the tile's register layout, which Triton picks by the
-    rows' alignment) must not change the norm's order of summation (docs/contract.md, "Batch invariant"). Only a
-    GPU can fail it: the interpreter adds in one order whatever the layout. Float32 outputs show a sum's last bit
-    in most rows; 16-bit outputs in few (the H200's GPU suite saw one element of 5376, fp16, d 64, interleaved)."""
+    rows' alignment) must not change the norm's order of summation (docs/contract.md, "Batch invariant"), forward or
+    backward. Only a GPU can fail it: the interpreter adds in one order whatever the layout. (On the H200 these
+    tiles kept `tl.sum`'s order across the three buffers; the packed qkv below is where it changed.)"""
     gen = torch.Generator().manual_seed(d)
     b, s, hq, hk = 4, (64 if DEVICE == "cuda" else 3), 1, 5
     q = torch.randn(b, s, hq, d, generator=gen).to(dtype).to(DEVICE)
@@ -295,3 +295,34 @@ def test_rows_bitwise_whatever_their_buffer(dtype, d, interleaved):
                                    strict=True):
             differ = (got != want).sum().item()
             assert differ == 0, f"{name}: {differ} of {want.numel()} elements differ, {buffer} against contiguous"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("d", [64, 80])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_packed_rows_bitwise_whatever_their_buffer(dtype, d, is_neox):
+    """vLLM's in-place op on a packed qkv, as the GPU suite's `batch_rows_alone` of `vllm-qknorm` drew it (float32
+    weights, a bfloat16 cache, one q head and five k heads): every row bitwise the same whether qkv is contiguous,
+    its rows padded (a slice of a wider buffer) or misaligned by one element. Summed by `tl.sum` (the tile's
+    register layout), the H200 failed the four float16 cases: 5 of 163840 elements differed, row-padded against
+    contiguous. Only a GPU can fail it."""
+    gen = torch.Generator().manual_seed(d + is_neox)
+    t, hq, hk, hv = (256 if DEVICE == "cuda" else 3), 1, 5, 2
+    width = (hq + hk + hv) * d
+    qkv = torch.randn(t, width, generator=gen).to(dtype).to(DEVICE)
+    wq, wk = (torch.randn(d, generator=gen).to(DEVICE) for _ in range(2))
+    theta = torch.rand(512, d // 2, generator=gen) * 30
+    cache = torch.cat([theta.cos(), theta.sin()], -1).to(torch.bfloat16).to(DEVICE)
+    pos = torch.randint(0, 512, (t,), generator=gen).to(DEVICE)
+    results = {}
+    for buffer in ("contiguous", "row-padded", "misaligned"):
+        if buffer == "row-padded":
+            x = torch.empty(t, width + 3, dtype=dtype, device=DEVICE)[:, :width]
+            x.copy_(qkv)
+        else:
+            x = _in_buffer(qkv, buffer)
+        qn.fused_qk_norm_rope(x, hq, hk, hv, d, 1e-6, wq, wk, cache, is_neox, pos)
+        results[buffer] = x.clone()
+    for buffer in ("row-padded", "misaligned"):
+        differ = (results[buffer] != results["contiguous"]).sum().item()
+        assert differ == 0, f"{differ} of {qkv.numel()} elements differ, {buffer} against contiguous"

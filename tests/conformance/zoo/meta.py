@@ -126,11 +126,15 @@ def backward_not_conjugated(xq, xk, freqs_cis):
 
 def reshape_as_meta(xq, xk, freqs_cis):
     """Correct, written as Meta's reference writes it: x.float().reshape(*x.shape[:-1], -1, 2) cannot take s = 0
-    (-1 is ambiguous for an empty tensor), so it declares empty=false: certified without the empty class."""
+    (-1 is ambiguous for an empty tensor), so it declares empty=false: certified without the empty class. Its input
+    is copied to a new dense tensor first: view_as_complex needs even strides and an even storage offset, which the
+    model's own tensors have and a float32 view the suite draws may not (a contiguous one at an odd offset, on the
+    device's draws)."""
     f = broadcast(freqs_cis)
     out = []
     for x in (xq, xk):
-        pairs_ = torch.view_as_complex(x.float().contiguous().reshape(*x.shape[:-1], -1, 2))
+        pairs_ = torch.view_as_complex(x.float().clone(memory_format=torch.contiguous_format).reshape(
+            *x.shape[:-1], -1, 2))
         out.append(torch.view_as_real(pairs_ * f).flatten(3).type_as(x))
     return tuple(out)
 
