@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
 from . import spec
+from .budget import current_profile, examples_for
 from .draws import no_local_constants
 from .spec import domains
-from .test_native import current_profile, examples_for
 
 CONVENTIONS = spec.available()
 
@@ -24,12 +24,12 @@ def run_budget(conv) -> int:
     and invariant properties together: the CPU counts in the CI default (cpu-interp profile), else the profile's
     count (ROPE_MAX_EXAMPLES included) for each. On a device the strategies draw device-sized plans, so the proof
     is for the draws this run makes."""
-    def examples(prop, invariant=None):
-        n = examples_for(prop, current_profile(), os.environ, invariant)
+    def examples(prop, name=None):
+        n = examples_for(prop, current_profile(), os.environ, (conv.NAME, name or prop))
         return settings.default.max_examples if n is None else n
 
     return (examples("forward") + (examples("backward") if conv.DIFFERENTIABLE else 0)
-            + sum(examples("invariant", (conv.NAME, inv)) for inv in conv.INVARIANTS))
+            + sum(examples("invariant", inv) for inv in conv.INVARIANTS))
 
 
 def drawn_classes(conv, caps, examples: int) -> dict:

@@ -19,22 +19,22 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from . import run, spec
+from .budget import examples_for
 from .draws import no_local_constants
 from .spec import domains
-from .test_native import PROFILE_EXAMPLES
 
 ZOO_EXAMPLES = 150
 
 
-def catch_budget(prop: str) -> int:
-    """The examples a planted bug gets: ZOO_EXAMPLES (pure PyTorch: a bug that needs a rare combination is still
-    drawn); under the device's draws, forward, backward and determinism get the gpu profile's count for them
-    (test_native.PROFILE_EXAMPLES), so that a bug the zoo names for them is shown caught within what a certifying run
-    gives them. An invariant keeps ZOO_EXAMPLES: some catch their bug on a few draws in a hundred (Meta's swap_q_k
-    needs a per-token table over b > 1)."""
+def catch_budget(name: str, prop: str) -> int:
+    """The examples a planted bug of convention `name` gets: ZOO_EXAMPLES (pure PyTorch: a bug that needs a rare
+    combination is still drawn); under the device's draws, forward, backward and determinism get the gpu profile's
+    count for them in that convention (test_native.examples_for), so that a bug the zoo names for them is shown
+    caught within what a certifying run gives them. An invariant keeps ZOO_EXAMPLES: some catch their bug on a few
+    draws in a hundred (Meta's swap_q_k needs a per-token table over b > 1)."""
     if spec.small() or prop not in PROPERTIES:
         return ZOO_EXAMPLES
-    return PROFILE_EXAMPLES["gpu"].get(prop) or settings.get_profile("gpu").max_examples
+    return examples_for(prop, "gpu", {}, (name, prop)) or settings.get_profile("gpu").max_examples
 
 
 # The correct implementation's examples: on the device's draws (tensors up to tens of MB, the float64 oracle on
@@ -119,7 +119,7 @@ def test_falsify_records_its_draws_and_takes_a_seed():
 @pytest.mark.parametrize("name,bug,prop", CASES, ids=[f"{n}-{b}-{p}" for n, b, p in CASES])
 def test_bug_is_caught(name, bug, prop):
     fn = zoo(name).BUGS[bug][0]
-    failure = falsify(name, prop, fn, max_examples=catch_budget(prop))
+    failure = falsify(name, prop, fn, max_examples=catch_budget(name, prop))
     assert failure is not None, f"{name}: the planted bug {bug!r} passed the {prop} property"
     assert isinstance(failure, AssertionError), f"{name}: {bug!r} crashed {prop} instead of failing a check: " \
                                                 f"{type(failure).__name__}: {failure}"
