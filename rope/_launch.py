@@ -175,6 +175,8 @@ ROTATE_QK_POINTERS = ("q_ptr", "q_out_ptr", "k_ptr", "k_out_ptr", "cos_or_freqs_
                       "cu_seqlens_or_positions_ptr")
 NORM_POINTERS = ROTATE_QK_POINTERS + ("q_weight_ptr", "k_weight_ptr", "q_input_ptr", "k_input_ptr",
                                       "weight_grad_partials_ptr")
+# where the QK-norm kernel's tile rows are among a plan's scalars (`kernel_args`): the backward's scratch per program
+_NORM_BLOCK_R = [n for n in rope_qknorm_kernel.arg_names if not n.endswith("_ptr")].index("BLOCK_R")
 CACHE_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "key_cache_ptr", "value_cache_ptr", "slot_mapping_ptr", "positions_ptr",
                   "cos_table_ptr", "sin_table_ptr", "k_scale_ptr", "v_scale_ptr")
 
@@ -666,10 +668,6 @@ def norm_rotate_qk_backward(call, grad_q, grad_k, q, k, weights, norm, eps, angl
     run(plan, (grad_q, gq, grad_k, gk, cos, sin, start, index, *weights, q, k, part))
     gw = part[:, :2 * d].sum(0).view(2, d)
     return gq, gk, gw[0].to(weights[0].dtype), gw[1].to(weights[1].dtype)
-
-
-# where the QK-norm kernel's tile rows are among a plan's scalars (`kernel_args`)
-_NORM_BLOCK_R = [n for n in rope_qknorm_kernel.arg_names if not n.endswith("_ptr")].index("BLOCK_R")
 
 
 # RoPE fused with the KV-cache write (`kernels.rope_cache_kernel`): plans per signature, as `plan_for`'s.

@@ -390,7 +390,7 @@ def rope_qknorm_kernel(
                 # r passes through the program's scratch row: read back, it takes the tile's layout without the
                 # compiler computing na and the weight-gradient partials in the layout of `_row_sum`'s last step
                 # (2.4 x the instructions, and spills: sm_90 SASS)
-                tl.store(scratch, tl.reshape(_inv_rms(xa=xa, xb=xb, xt=xt, eps=eps, HEAD_DIM=HEAD_DIM), (BLOCK_R,)))
+                tl.store(scratch, _inv_rms(xa=xa, xb=xb, xt=xt, eps=eps, HEAD_DIM=HEAD_DIM))
                 tl.debug_barrier()
                 r = tl.load(scratch)[:, None]
                 tl.debug_barrier()  # every thread has read r before the next tile's store

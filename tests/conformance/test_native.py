@@ -48,16 +48,23 @@ def not_certified(conv, caps) -> str:
     return f"not certified: {'; '.join(off)}" if off else ""
 
 
+def for_each_example(kind: str, key: tuple, check) -> None:
+    """check(data) on each example Hypothesis draws, as many as `budget` gives property `key` (convention, property)
+    of kind `kind`: a property's count follows its convention, which a decorator on the parametrized test could not
+    give it."""
+    @budget(kind, key)
+    @given(data=st.data())
+    def holds(data):
+        check(data)
+
+    holds()
+
+
 @pytest.mark.parametrize("name", CONVENTIONS)
 def test_forward(target, name):
     conv, fn, caps = convention_of(target, name)
-
-    @budget("forward", (name, "forward"))
-    @given(data=st.data())
-    def holds(data):
-        run.forward(conv, fn, caps, data.draw(conv.plans(caps), label="plan"))
-
-    holds()
+    for_each_example("forward", (name, "forward"),
+                     lambda data: run.forward(conv, fn, caps, data.draw(conv.plans(caps), label="plan")))
 
 
 @pytest.mark.parametrize("name", CONVENTIONS)
@@ -66,14 +73,9 @@ def test_backward(target, name):
     if not conv.DIFFERENTIABLE or not caps.get("backward", True):
         pytest.skip(f"{name}: no backward in this convention" if not conv.DIFFERENTIABLE else
                     f"{target.name} declares no backward for {name}")
-
-    @budget("backward", (name, "backward"))
-    @given(data=st.data())
-    def holds(data):
-        run.backward(conv, fn, caps, data.draw(conv.plans(caps), label="plan"),
-                     data.draw(domains.upstreams(caps), label="upstream"))
-
-    holds()
+    for_each_example("backward", (name, "backward"),
+                     lambda data: run.backward(conv, fn, caps, data.draw(conv.plans(caps), label="plan"),
+                                               data.draw(domains.upstreams(caps), label="upstream")))
 
 
 @pytest.mark.parametrize("name", CONVENTIONS)
@@ -84,13 +86,11 @@ def test_determinism(target, name):
     if not caps["deterministic"]:
         pytest.skip(f"{target.name} declares {name} not deterministic")
 
-    @budget("determinism", (name, "determinism"))
-    @given(data=st.data())
-    def holds(data):
+    def check(data):
         upstream = data.draw(domains.upstreams(caps), label="upstream") if conv.DIFFERENTIABLE else "contiguous"
         run.determinism(conv, fn, caps, data.draw(conv.plans(caps), label="plan"), upstream)
 
-    holds()
+    for_each_example("determinism", (name, "determinism"), check)
 
 
 @pytest.mark.parametrize("name", CONVENTIONS)
@@ -102,13 +102,8 @@ def test_schedule(target, schedule, name):
     conv, fn, caps = convention_of(target, name)
     if schedule not in conv.SCHEDULES:
         pytest.skip(f"{name} has no schedule {schedule!r} (its schedules: {', '.join(conv.SCHEDULES) or 'none'})")
-
-    @budget("forward", (name, "forward"))
-    @given(data=st.data())
-    def holds(data):
-        run.schedule(conv, fn, caps, data.draw(conv.plans(caps), label="plan"), schedule)
-
-    holds()
+    for_each_example("forward", (name, "forward"),
+                     lambda data: run.schedule(conv, fn, caps, data.draw(conv.plans(caps), label="plan"), schedule))
 
 
 PINNED = [(name, i) for name in CONVENTIONS for i in range(len(spec.load(name).PINS))]
@@ -133,13 +128,8 @@ def test_invariant(target, name, invariant):
     conv, fn, caps = convention_of(target, name)
     if invariant == "batch_rows_alone" and not caps["batch_invariant"]:
         pytest.skip(f"{target.name} declares {name} not batch invariant")
-
-    @budget("invariant", (name, invariant))
-    @given(data=st.data())
-    def holds(data):
-        conv.INVARIANTS[invariant](conv, fn, caps, data.draw(conv.plans(caps), label="plan"))
-
-    holds()
+    for_each_example("invariant", (name, invariant),
+                     lambda data: conv.INVARIANTS[invariant](conv, fn, caps, data.draw(conv.plans(caps), label="plan")))
 
 
 @pytest.mark.parametrize("name", CONVENTIONS)

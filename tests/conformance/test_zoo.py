@@ -29,7 +29,7 @@ ZOO_EXAMPLES = 150
 def catch_budget(name: str, prop: str) -> int:
     """The examples a planted bug of convention `name` gets: ZOO_EXAMPLES (pure PyTorch: a bug that needs a rare
     combination is still drawn); under the device's draws, forward, backward and determinism get the gpu profile's
-    count for them in that convention (test_native.examples_for), so that a bug the zoo names for them is shown
+    count for them in that convention (budget.examples_for), so that a bug the zoo names for them is shown
     caught within what a certifying run gives them. An invariant keeps ZOO_EXAMPLES: some catch their bug on a few
     draws in a hundred (Meta's swap_q_k needs a per-token table over b > 1)."""
     if spec.small() or prop not in PROPERTIES:

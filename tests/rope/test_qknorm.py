@@ -316,11 +316,7 @@ def test_packed_rows_bitwise_whatever_their_buffer(dtype, d, is_neox):
     pos = torch.randint(0, 512, (t,), generator=gen).to(DEVICE)
     results = {}
     for buffer in ("contiguous", "row-padded", "misaligned"):
-        if buffer == "row-padded":
-            x = torch.empty(t, width + 3, dtype=dtype, device=DEVICE)[:, :width]
-            x.copy_(qkv)
-        else:
-            x = _in_buffer(qkv, buffer)
+        x = _in_buffer(qkv, buffer)
         qn.fused_qk_norm_rope(x, hq, hk, hv, d, 1e-6, wq, wk, cache, is_neox, pos)
         results[buffer] = x.clone()
     for buffer in ("row-padded", "misaligned"):
