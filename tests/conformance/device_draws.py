@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         for bug, (fn, props) in zoo.BUGS.items():
             for prop in props:
                 t0, drawn = time.perf_counter(), []
-                budget = test_zoo.catch_budget(name, prop)
+                budget = test_zoo.catch_budget(name, prop, bug)
                 failure = test_zoo.falsify(name, prop, fn, max_examples=budget, drawn=drawn)
                 caught = isinstance(failure, AssertionError)
                 verdict = "caught" if caught else "PASSED" if failure is None else f"crashed ({type(failure).__name__})"

@@ -148,7 +148,7 @@ def test_declared_domain(target, name):
     (CI_PROFILE, {}, CPU_EXAMPLES),
     (CI_PROFILE, {"ROPE_MAX_EXAMPLES": "200"}, {}),
     ("nightly", {}, {}),
-    ("gpu", {}, {"backward": 50, "invariant": 20, "determinism": 20}),
+    ("gpu", {}, {"backward": 50, "invariant": 10, "determinism": 20}),
     ("gpu", {"ROPE_MAX_EXAMPLES": "200"}, {}),
     ("nightly", {"ROPE_MAX_EXAMPLES": "7"}, {}),
 ])

@@ -83,11 +83,29 @@ def test_case_seeds_are_the_same_in_every_process():
     assert _stable_seed("sbhd", torch.bfloat16, True, False, "start") == 519585882
 
 
-@pytest.mark.parametrize("mode", POSITION_MODES, ids=str)
-@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
-@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+def _core_cases():
+    """Every format x interleaving x rotary width x position mode (with both angle sources: the fixture), the dtypes
+    turned through them so that each dtype meets every format, interleaving, width and mode."""
+    cases = []
+    for f, tensor_format in enumerate(["sbhd", "bshd", "thd"]):
+        for i, interleaved in enumerate([False, True]):
+            for p, partial in enumerate([False, True]):
+                for m, mode in enumerate(POSITION_MODES):
+                    dtype = DTYPES[(f + i + p + m) % len(DTYPES)]
+                    cases.append(pytest.param(tensor_format, dtype, interleaved, partial, mode, id="-".join(map(str, (
+                        tensor_format, dtype, "interleaved" if interleaved else "halfsplit",
+                        "partial" if partial else "full", mode)))))
+    return cases
+
+
+def test_core_cases_meet_every_dtype():
+    cases = [p.values for p in _core_cases()]
+    for column in (0, 2, 3, 4):  # format, interleaving, rotary width, position mode
+        for value in {str(c[column]) for c in cases}:
+            assert {c[1] for c in cases if str(c[column]) == value} == set(DTYPES), (column, value)
+
+
+@pytest.mark.parametrize("tensor_format,dtype,interleaved,partial,mode", _core_cases())
 def test_matches_float64_reference(tensor_format, dtype, interleaved, partial, mode, angle_source,  # noqa: F811
                                    poison_outputs):  # noqa: F811
     needs_angle_source(angle_source, interleaved)

@@ -47,10 +47,27 @@ def _pair(tensor_format, hq, hk, dtype, seed, mode=None, layout="contiguous"):
     return q, k, gen, kw
 
 
-@pytest.mark.parametrize("mode", [None, "start", "cp"], ids=str)
-@pytest.mark.parametrize("hq,hk", HEADS)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["halfsplit", "interleaved"])
-@pytest.mark.parametrize("tensor_format", ["sbhd", "bshd", "thd"])
+def _qk_cases():
+    """Every format x interleaving x position mode (with both angle sources: the fixture), the head pairs turned
+    through them so that each head pair meets every format, every mode and both interleavings."""
+    cases = []
+    for f, tensor_format in enumerate(["sbhd", "bshd", "thd"]):
+        for i, interleaved in enumerate([False, True]):
+            for m, mode in enumerate([None, "start", "cp"]):
+                hq, hk = HEADS[(f + i + 2 * m) % len(HEADS)]
+                cases.append(pytest.param(tensor_format, interleaved, hq, hk, mode, id=(
+                    f"{tensor_format}-{'interleaved' if interleaved else 'halfsplit'}-{hq}-{hk}-{mode}")))
+    return cases
+
+
+def test_qk_cases_meet_every_head_pair():
+    cases = [p.values for p in _qk_cases()]
+    for column in (0, 1, 4):  # format, interleaving, mode
+        for value in {c[column] for c in cases}:
+            assert {c[2:4] for c in cases if c[column] == value} == set(HEADS), (column, value)
+
+
+@pytest.mark.parametrize("tensor_format,interleaved,hq,hk,mode", _qk_cases())
 def test_qk_matches_two_calls_and_float64(tensor_format, interleaved, hq, hk, mode, angle_source,  # noqa: F811
                                           poison_outputs):  # noqa: F811
     needs_angle_source(angle_source, interleaved)
