@@ -101,6 +101,9 @@ def check_returned(result, promised, args: dict, buffers) -> dict:
         elif r.arg is not None:
             pass  # new, or over the argument's memory: the argument then holds the result (run.outputs checks)
         else:
+            # identity first: an empty tensor holds no bytes, so only `is` tells an argument returned from a new one
+            given = [name for name, a in args.items() if g is a]
+            assert not given, f"side effect: {r.name}: a new tensor was promised, got the argument {given[0]} itself"
             shared = [i for i, b in enumerate(buffers) if b.numel() and g.numel() and same_storage(g, b)]
             assert not shared, f"side effect: {r.name}: a new tensor was promised, got one sharing memory with an " \
                                f"argument (buffer {shared[0]})"
