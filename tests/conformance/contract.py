@@ -4,7 +4,8 @@ Before the call every buffer (each tensor argument's whole storage, padding incl
 it: the tensors the convention promises to write hold the result (checked by the oracle comparison); every
 other byte of every buffer is unchanged, bitwise: the inputs, the tables, the positions, the padding around
 a sliced view. Returned objects are the promised ones: the argument itself for an in-place result, a tensor
-sharing no memory with any argument for a new one, None where the convention returns nothing.
+that is no argument and shares no memory with one for a new one (empty ones included), None where the
+convention returns nothing.
 """
 from __future__ import annotations
 
