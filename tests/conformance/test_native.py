@@ -48,16 +48,23 @@ def not_certified(conv, caps) -> str:
     return f"not certified: {'; '.join(off)}" if off else ""
 
 
-def for_each_example(kind: str, key: tuple, check) -> None:
-    """check(data) on each example Hypothesis draws, as many as `budget` gives property `key` (convention, property)
-    of kind `kind`: a property's count follows its convention, which a decorator on the parametrized test could not
-    give it."""
+def property_test(kind: str, key: tuple, check):
+    """The Hypothesis test of check(data) for property `key` (convention, property) of kind `kind`: as many examples
+    as `budget` gives it (a property's count follows its convention, which a decorator on the parametrized test
+    could not give it), and its own key in the example database, as Hypothesis' pytest plugin gives each
+    parametrized case, so that a failing example is replayed by the property it failed and by no other."""
     @budget(kind, key)
     @given(data=st.data())
     def holds(data):
         check(data)
 
-    holds()
+    holds.hypothesis.inner_test._hypothesis_internal_add_digest = repr((kind, *key)).encode()
+    return holds
+
+
+def for_each_example(kind: str, key: tuple, check) -> None:
+    """check(data) on each example Hypothesis draws for property `key` (property_test)."""
+    property_test(kind, key, check)()
 
 
 @pytest.mark.parametrize("name", CONVENTIONS)
@@ -176,6 +183,16 @@ def test_a_property_takes_its_own_count():
         assert examples_for(kind, CI_PROFILE, {}, key) == CPU_EXAMPLES[kind]
     other = next(key for key in INVARIANTS if key not in counts)
     assert examples_for("invariant", profile, {}, other) == PROFILE_EXAMPLES[profile]["invariant"]
+
+
+def test_each_property_has_its_own_database_key():
+    """Where Hypothesis saves a property's failing example (and replays it first on the next run): one key per
+    (convention, property), so that no other property replays it."""
+    from hypothesis.internal.reflection import function_digest
+
+    keys = [("hf", "forward"), ("vllm", "forward"), ("hf", "backward"), ("hf", "batch_rows_alone")]
+    digests = {function_digest(property_test(kind_of(k[1]), k, lambda data: None).hypothesis.inner_test) for k in keys}
+    assert len(digests) == len(keys)
 
 
 def test_rope_max_examples_reaches_a_property(tmp_path):
