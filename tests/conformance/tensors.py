@@ -102,10 +102,12 @@ class Arena:
                              layout.step),)] if values.dim() else full
         view.copy_(values.to(self.device))
         if layout.step > 1 and not values.is_floating_point() and values.numel():
-            # the gaps of a spaced index tensor hold other valid values (its own, shifted by one), so that a reader
-            # that takes the gaps for elements reads wrong but in-range entries rather than zeros
+            # the gaps of a spaced index tensor hold other valid values, each element's own again (a, a, b, b, ...),
+            # so that a reader that takes the gaps for elements reads wrong but in-range entries rather than zeros,
+            # and wrong from the second element on (values rolled by one would put b after a: a dense read of two
+            # elements would come out right)
             gaps = full[..., layout.pad[-1] // 2 + 1::layout.step][..., :values.shape[-1]]
-            gaps.copy_(values.roll(1, -1).to(self.device))
+            gaps.copy_(values.to(self.device))
         if layout.unit_stride and 1 in view.shape:
             strides = [layout.unit_stride if n == 1 else st_ for n, st_ in zip(view.shape, view.stride(), strict=True)]
             view = view.as_strided(view.shape, strides, view.storage_offset())

@@ -96,7 +96,9 @@ def test_batch_invariance_is_declarable_off(tmp_path):
     invariant = f"{NATIVE}::test_invariant[hf-batch_rows_alone]"
     runs = [[impl, invariant],
             [impl, "--rope-caps", "batch_invariant=false", "-rs", invariant, f"{NATIVE}::test_forward[hf]"]]
-    (caught, out_caught), (declared, out_declared) = _sessions(runs, tmp_path)
+    # 10 examples: the bug shows where float64 and float32 math round a value apart, which the CI default's 4 need
+    # not draw
+    (caught, out_caught), (declared, out_declared) = _sessions(runs, tmp_path, env={"ROPE_MAX_EXAMPLES": "10"})
     assert caught == 1 and "batch invariance" in out_caught and "1 failed" in out_caught, out_caught[-3000:]
     assert declared == 0 and "declares hf not batch invariant" in out_declared, out_declared[-3000:]
     assert "1 passed, 1 skipped" in out_declared, out_declared[-3000:]

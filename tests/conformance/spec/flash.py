@@ -130,7 +130,7 @@ class Flash(Convention):
                 offsets, draw(st.sampled_from((torch.int32, torch.int64))), rows, max_seqlen,
                 draw(layouts(ndim)) if strides else contiguous(ndim),
                 draw(layouts(2)) if strides else contiguous(2), draw(layouts(2)) if strides else contiguous(2),
-                draw(layouts(1)) if strides else contiguous(1),
+                draw(layouts(1, spaced=True)) if strides and kind == "tensor" else contiguous(1),  # any: made dense
                 draw(st.booleans()) if inplace and caps["inplace_leaf"] else False,
                 domains.explicit_defaults(draw, caps))
             if p.inplace and caps["inplace_leaf"]:
@@ -369,6 +369,22 @@ Flash.INVARIANTS = {
     "batch_rows_alone": batch_rows_alone,
     "inverse": inverse,
 }
+def pin(varlen, lengths, offsets, **fields) -> Plan:
+    """A pinned call: float32, two heads of 16 channels rotated whole, contiguous, tables as long as needed."""
+    max_seqlen = max(lengths) if varlen else None
+    base = dict(seed=0, dtype=torch.float32, table_dtype=torch.float32, varlen=varlen, lengths=lengths, h=2, d=16,
+                rot=16, interleaved=False, inplace=False, offsets=offsets, offsets_dtype=torch.int32,
+                rows=rows_needed(varlen, lengths, max_seqlen, offsets), max_seqlen=max_seqlen,
+                x_layout=contiguous(3 if varlen else 4), cos_layout=contiguous(2), sin_layout=contiguous(2),
+                offsets_layout=contiguous(1))
+    return Plan(**{**base, **fields})
+
+
+# Per-sequence offsets that differ (the first neither the smallest nor the largest), in [b, s, h, d] and in varlen
+# with an empty sequence: each sequence reads its own offset, on every profile.
+Flash.PINS = (pin(False, (4, 4, 4), (2, 0, 5), seed=1),
+              pin(True, (3, 0, 5), (1, 4, 0), interleaved=True, seed=2))
+
 CONVENTION = Flash()
 
 
@@ -396,7 +412,8 @@ Flash.DOMAIN = {
     "interleaved": domains.optional("interleaved", "True", other_off=lambda caps: True not in caps["interleaved"]),
     "inplace": domains.optional("inplace", "True", "inplace"),
     "seqlen_offsets": (*domains.optional("seqlen_offsets", "an int or a tensor"),
-                       domains.cls("a tensor [b]", lambda p, c: isinstance(p.offsets, tuple), "tensor_offsets")),
+                       domains.cls("a tensor [b]", lambda p, c: isinstance(p.offsets, tuple), "tensor_offsets"),
+                       domains.spaced("seqlen_offsets")),
     "cu_seqlens": domains.optional("cu_seqlens", "a tensor", "varlen"),
     "max_seqlen": domains.optional("max_seqlen", "an int", "varlen"),
 }

@@ -804,11 +804,13 @@ def pin(thd=False, dtype=torch.bfloat16, table_dtype=torch.bfloat16, **fields) -
 
 # DeepSeek's q heads (128 nope + 64 rope) in bfloat16: sbhd with Megatron's tables in t's dtype; packed sequences on
 # rank 1 of 2 with an empty sequence and CUDA-graph padding, float32 tables; the attention output rotated back
-# (inverse, remove_interleaving) as DeepSeek-V4's training does.
+# (inverse, remove_interleaving) as DeepSeek-V4's training does; packed sequences with padding rows without
+# context parallelism (the padding rows read row 0 of the tables, as on every rank).
 PINS = (pin(seed=1),
         pin(True, table_dtype=torch.float32, lengths=(8, 0, 4), pad=3, cp_size=2, cp_rank=1, seed=2),
         pin(True, torch.float32, torch.float32, lengths=(5, 3), inverse=True, remove_interleaving=True, nope=0,
-            seed=3))
+            seed=3),
+        pin(True, lengths=(3, 5), pad=2, seed=4))
 MegatronMLA.PINS = PINS
 
 CONVENTION = MegatronMLA()

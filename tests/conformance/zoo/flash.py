@@ -102,6 +102,18 @@ def first_offset_for_all(x, cos, sin, interleaved=False, inplace=False, seqlen_o
     return finish(x, rotated(x, cos, sin, rows, interleaved), inplace)
 
 
+def offsets_read_dense(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                       max_seqlen=None):
+    """A tensor seqlen_offsets read from its data pointer at stride 1 (a kernel given no stride for it): a strided
+    view's offsets come from the elements between (kept within the tables, so that values show it, not an index
+    error)."""
+    if isinstance(seqlen_offsets, torch.Tensor) and seqlen_offsets.numel() > 1 and seqlen_offsets.stride(0) != 1:
+        longest = x.shape[1] if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        dense = torch.as_strided(seqlen_offsets, seqlen_offsets.shape, (1,))
+        seqlen_offsets = dense.clamp(0, max(cos.shape[0] - longest, 0))
+    return correct(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
+
+
 def int_offset_twice(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
                      max_seqlen=None):
     """An int offset both slices the tables (cos[k:]) and shifts the rows: row j + 2k."""
@@ -266,6 +278,7 @@ BUGS = {
     "inplace_returns_copy": (inplace_returns_copy, ("forward", "inplace_equals_out_of_place")),
     "tensor_offsets_ignored": (tensor_offsets_ignored, ("forward", "int_offset_equals_tensor")),
     "first_offset_for_all": (first_offset_for_all, ("forward",)),
+    "offsets_read_dense": (offsets_read_dense, ("forward",)),
     "int_offset_twice": (int_offset_twice, ("forward", "int_offset_equals_tensor", "offset_is_table_shift")),
     "varlen_positions_global": (varlen_positions_global, ("forward",)),
     "partial_pairs_at_half_head": (partial_pairs_at_half_head, ("forward", "interleaved_moves_channels")),

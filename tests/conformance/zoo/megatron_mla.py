@@ -137,7 +137,13 @@ def token_rows(t, cu_seqlens_q, cp_rank, cp_size, position_ids, bug):
     if bug == "local_bounds_from_lengths":
         cu = cu_seqlens_q.long()
         bounds = torch.cat([cu[:1], ((cu[1:] - cu[:-1]) // cp_size).cumsum(0)])
-    return packed_rows(cu_seqlens_q, t.shape[0], cp_size, cp_rank, second, bounds)
+    rows = packed_rows(cu_seqlens_q, t.shape[0], cp_size, cp_rank, second, bounds)
+    cu = cu_seqlens_q.long()
+    if bug == "padding_rows_continue" and cp_size == 1 and cu.numel() > 1 and t.shape[0] > int(cu[-1]):
+        tokens = torch.arange(t.shape[0], device=rows.device)
+        last = rows[:int(cu[-1])].max() if int(cu[-1]) else rows.new_zeros(())  # the rows the tables surely hold
+        rows = torch.where(tokens >= cu[-1], (tokens - cu[-2]).clamp(max=last), rows)
+    return rows
 
 
 def rotation(c, s, remove_interleaving, bug, math=torch.float32, out_dtype=None):
@@ -292,6 +298,9 @@ position_ids_mapped = _ported("position_ids_mapped", "position_ids taken through
                                                      "cp_size > 1 (they replace it).")
 padding_rows_unwritten = _ported("padding_rows_unwritten", "Rows past the last sequence left as they are (a kernel "
                                  "that skips them), not rotated at row 0.")
+padding_rows_continue = _ported("padding_rows_continue", "Rows past the last sequence, without context "
+                                "parallelism, continue the last sequence's positions (as far as the tables reach) "
+                                "instead of reading row 0.")
 # the contract
 out_of_place = _ported("out_of_place", "A rotated copy returned and t left as it is (Megatron's "
                                        "fused_mla_rope_out_of_place).")
@@ -321,6 +330,7 @@ BUGS = {
     "position_ids_ignored": (position_ids_ignored, ("forward", "position_ids_shards")),
     "position_ids_mapped": (position_ids_mapped, ("forward", "position_ids_shards")),
     "padding_rows_unwritten": (padding_rows_unwritten, ("forward",)),
+    "padding_rows_continue": (padding_rows_continue, ("forward",)),
     "out_of_place": (out_of_place, ("forward",)),
     # within the accuracy model: only batch invariance sees it
     "math_depends_on_batch": (math_depends_on_batch, ("batch_rows_alone",)),
