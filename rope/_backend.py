@@ -220,12 +220,6 @@ def record(ts, call, angles, *, start_positions=None, token_index=None, pos_tabl
     return Rotation.apply(request, written, *ts)
 
 
-def dense_index(start):
-    """Start positions as the kernels read them: one per sequence at stride 1 (they take no stride for them), so
-    a strided or expanded view (`torch.tensor([k]).expand(b)`) is copied; None or a dense tensor as it is."""
-    return start if start is None or start.is_contiguous() else start.contiguous()
-
-
 def on_kernel_device(x: torch.Tensor) -> bool:
     """The one rule for where the Triton kernel runs: a CUDA tensor, or a CPU one under TRITON_INTERPRET=1;
     elsewhere the reference computes (every entry point asks this)."""
@@ -369,11 +363,13 @@ def dispatch(conv: Convention, ts: tuple, reads: tuple = (), flags: tuple = (), 
                 seen.call = call
     if conv.norm:
         angles, start, index, pos_table, norm, eps = conv.reads(call, reads, flags)
-        start = dense_index(start)
+        if start is not None and not start.is_contiguous():  # the kernels read one per sequence at stride 1
+            start = start.contiguous()
         return norm_rotate(*ts, call, angles, norm=norm, eps=eps, start_positions=start, token_index=index,
                            pos_table=pos_table, inplace=inplace)
     angles, start, index, pos_table = conv.reads(call, reads, flags)
-    start = dense_index(start)
+    if start is not None and not start.is_contiguous():  # a strided or expanded view: the kernels take no stride
+        start = start.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or (len(ts) > 1 and ts[1].requires_grad)):
         return record(ts, call, angles, start_positions=start, token_index=index, pos_table=pos_table,
                       inplace=inplace)

@@ -1,5 +1,5 @@
 """Start positions and offsets given as strided or expanded views: the kernels read one per sequence at stride 1
-(they take no stride for them), so the dispatch gives them a dense copy (`_backend.dense_index`). Read from the
+(they take no stride for them), so the dispatch gives them a dense copy (`_backend.dispatch`). Read from the
 data pointer as dense instead, `[2, 0, 5][::1]` of a stride-2 view reads the elements between, and past the tables."""
 from __future__ import annotations
 

@@ -138,8 +138,9 @@ def token_rows(t, cu_seqlens_q, cp_rank, cp_size, position_ids, bug):
         cu = cu_seqlens_q.long()
         bounds = torch.cat([cu[:1], ((cu[1:] - cu[:-1]) // cp_size).cumsum(0)])
     rows = packed_rows(cu_seqlens_q, t.shape[0], cp_size, cp_rank, second, bounds)
-    cu = cu_seqlens_q.long()
-    if bug == "padding_rows_continue" and cp_size == 1 and cu.numel() > 1 and t.shape[0] > int(cu[-1]):
+    if bug == "padding_rows_continue" and cp_size == 1 and cu_seqlens_q.numel() > 1 \
+            and t.shape[0] > int(cu_seqlens_q[-1]):
+        cu = cu_seqlens_q.long()
         tokens = torch.arange(t.shape[0], device=rows.device)
         last = rows[:int(cu[-1])].max() if int(cu[-1]) else rows.new_zeros(())  # the rows the tables surely hold
         rows = torch.where(tokens >= cu[-1], (tokens - cu[-2]).clamp(max=last), rows)
