@@ -429,7 +429,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         **{f"{name}_strides": tuple(rs) for name, rs in zip(names, roles, strict=True)},
         stride_fs=angles.stride_s, stride_fb=angles.stride_b, stride_fd=angles.stride_d, stride_fm=angles.stride_m,
         positions_strides=(pos_strides[1], pos_strides[2], pos_strides[0]),
-        HEAD_DIM=layout.d, ROT_DIM=layout.rot_dim, INTERLEAVED=interleaved, BACKWARD=backward,
+        HEAD_DIM=layout.d, ROT_DIM=layout.rot_dim, INTERLEAVED=interleaved,
         IS_THD=tensor_format == "thd", GROUP_PER_BATCH=per_batch, HAS_START=has_start, USE_CP=cp_size > 1,
         BLOCK_R=block_r, BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, RNE_BF16=INTERPRET and x.dtype == torch.bfloat16,
         PIN=not INTERPRET, INPLACE=inplace, TABLE=table, SPLIT=chunks > 1,
@@ -446,8 +446,9 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
             args.update(QK=True)
     dense = tuple(like or _dense(t, tensor_format) for t in tensors)
     pdl = PDL and x.is_cuda and not norm
-    if not norm:
-        args.update(PDL=pdl, EAGER=schedule == "eager", PERMUTE=(2 if backward else 1) if permute else 0,
+    if not norm:  # the rotation kernels take the direction as a value (one compile for both), QK norm as a constant
+        args.update(backward=int(backward), PDL=pdl, EAGER=schedule == "eager",
+                    PERMUTE=(2 if backward else 1) if permute else 0,
                     ROT_START=layout.d - layout.rot_dim if tail_first else 0, MULTI_TILE=rows_per_program > block_r)
     if norm:
         items = n_groups * chunks
@@ -458,7 +459,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         eager = schedule == "eager"
         (lanes_q, vec, factor_q), (lanes_k, _, factor_k) = (
             torch_row_reduction(t.numel() // layout.d, layout.d) if eager else (1, 1, 1.0) for t in tensors)
-        args.update(n_items=items, n_progs=max(progs, 1), eps=float(eps), NORM=norm,
+        args.update(n_items=items, n_progs=max(progs, 1), eps=float(eps), NORM=norm, BACKWARD=backward,
                     q_input_strides=tuple(saved_roles[0]), k_input_strides=tuple(saved_roles[1]),
                     EAGER=eager, LANES_Q=lanes_q, LANES_K=lanes_k, VEC=vec, factor_q=factor_q,
                     factor_k=factor_k)

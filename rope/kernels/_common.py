@@ -214,7 +214,7 @@ def _pair_columns(ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HALF: 
 
 @triton.jit
 def _angles(cos_or_freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs, stride_fb, stride_fd, stride_fm,
-            ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+            backward, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
             BLOCK_HALF: tl.constexpr, PIN: tl.constexpr, TABLE: tl.constexpr, HALF_TABLE: tl.constexpr,
             MROPE: tl.constexpr):
     """cos/sin factors of channels a and b = partner(a), as [1, BLOCK_HALF] rows, once per program.
@@ -256,7 +256,12 @@ def _angles(cos_or_freqs_ptr, sin_ptr, pos, b_idx, stream, freqs_len, stride_fs,
         cos_b = _pin(v=tl.cos(fb), PIN=PIN)
         sin_fa = _pin(v=tl.sin(fa), PIN=PIN)
         sin_fb = _pin(v=tl.sin(fb), PIN=PIN)
-    sin_a, sin_b = (-sin_fb, -sin_fa) if BACKWARD else (sin_fa, sin_fb)
+    # `backward`: a value (the rotation kernels: one compile serves both directions) or a constant; a branch once per
+    # program, on a row of BLOCK_HALF factors
+    if backward:
+        sin_a, sin_b = -sin_fb, -sin_fa
+    else:
+        sin_a, sin_b = sin_fa, sin_fb
     return cos_a[None, :], cos_b[None, :], sin_a[None, :], sin_b[None, :]
 
 
@@ -279,7 +284,7 @@ def _group_of(item, n_groups, inner, magic_groups, magic_inner, magic_batch, n_b
 @triton.jit
 def _group_angles(s_idx, b_idx, cos_or_freqs_ptr, sin_ptr, start_positions_ptr, cu_seqlens_or_positions_ptr,
                   seq_len, n_seqs, freqs_len, cp_size, cp_rank, stride_fs, stride_fb, stride_fd, stride_fm, stride_ps,
-                  stride_pb, stride_pm, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+                  stride_pb, stride_pm, backward, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
                   IS_THD: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr, BLOCK_HALF: tl.constexpr,
                   PIN: tl.constexpr, TABLE: tl.constexpr, FANOUT: tl.constexpr, POS_TABLE: tl.constexpr,
                   HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr, SEC1: tl.constexpr,
@@ -293,7 +298,7 @@ def _group_angles(s_idx, b_idx, cos_or_freqs_ptr, sin_ptr, start_positions_ptr, 
                     POS_TABLE=POS_TABLE, MROPE=MROPE)
     return _angles(cos_or_freqs_ptr=cos_or_freqs_ptr, sin_ptr=sin_ptr, pos=pos, b_idx=b_idx, stream=stream,
                    freqs_len=freqs_len, stride_fs=stride_fs, stride_fb=stride_fb, stride_fd=stride_fd,
-                   stride_fm=stride_fm, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD,
+                   stride_fm=stride_fm, backward=backward, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
                    BLOCK_HALF=BLOCK_HALF, PIN=PIN, TABLE=TABLE, HALF_TABLE=HALF_TABLE, MROPE=MROPE)
 
 

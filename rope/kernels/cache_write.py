@@ -161,7 +161,7 @@ def rope_cache_kernel(
     cos_a, cos_b, sin_a, sin_b = _angles(
         cos_or_freqs_ptr=cos_table_ptr, sin_ptr=sin_table_ptr, pos=pos, b_idx=b_idx, stream=0, freqs_len=freqs_len,
         stride_fs=stride_fs, stride_fb=0, stride_fd=stride_fd, stride_fm=0, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
-        BACKWARD=False, BLOCK_HALF=BLOCK_HALF, PIN=False, TABLE=True, HALF_TABLE=True, MROPE=0)
+        backward=False, BLOCK_HALF=BLOCK_HALF, PIN=False, TABLE=True, HALF_TABLE=True, MROPE=0)
     _cache_store(xq=xq, xk=xk, in_q=in_q, rows_ok=rows_ok, heads=heads, xa=xa, xb=xb, tail=tail, cos_a=cos_a,
                  cos_b=cos_b, sin_a=sin_a, sin_b=sin_b, key_cache_ptr=key_cache_ptr, key_cache_base=key_cache_base,
                  stored=stored, k_scale=k_scale, k_inv=k_inv, stride_qd=stride_qd, stride_kd=stride_kd,

@@ -307,7 +307,7 @@ def rope_qknorm_kernel(
             start_positions_ptr=start_positions_ptr, cu_seqlens_or_positions_ptr=cu_seqlens_or_positions_ptr,
             seq_len=seq_len, n_seqs=n_seqs, freqs_len=freqs_len, cp_size=cp_size, cp_rank=cp_rank,
             stride_fs=stride_fs, stride_fb=stride_fb, stride_fd=stride_fd, stride_fm=stride_fm, stride_ps=stride_ps,
-            stride_pb=stride_pb, stride_pm=stride_pm, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BACKWARD=False,
+            stride_pb=stride_pb, stride_pm=stride_pm, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, backward=False,
             IS_THD=IS_THD, HAS_START=HAS_START, USE_CP=USE_CP, BLOCK_HALF=BLOCK_HALF, PIN=PIN, TABLE=TABLE,
             FANOUT=FANOUT, POS_TABLE=POS_TABLE, HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2)
         _norm_rotate_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
@@ -361,7 +361,7 @@ def rope_qknorm_kernel(
                 seq_len=seq_len, n_seqs=n_seqs, freqs_len=freqs_len, cp_size=cp_size, cp_rank=cp_rank,
                 stride_fs=stride_fs, stride_fb=stride_fb, stride_fd=stride_fd, stride_fm=stride_fm,
                 stride_ps=stride_ps, stride_pb=stride_pb, stride_pm=stride_pm, ROT_DIM=ROT_DIM,
-                INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=IS_THD, HAS_START=HAS_START, USE_CP=USE_CP,
+                INTERLEAVED=INTERLEAVED, backward=BACKWARD, IS_THD=IS_THD, HAS_START=HAS_START, USE_CP=USE_CP,
                 BLOCK_HALF=BLOCK_HALF, PIN=PIN, TABLE=TABLE, FANOUT=FANOUT, POS_TABLE=POS_TABLE,
                 HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2)
             for r0 in range(r_begin, r_end, BLOCK_R):

@@ -21,9 +21,9 @@ from ._common import _group_angles, _group_of, _load_pairs, _rows, _store_pairs,
 # specialization, which proves 16-byte alignment (a table's batch stride, often 0, is a count here).
 MAGIC = ["magic_groups", "magic_inner", "magic_batch", "magic_qheads", "magic_kheads"]
 QK_COUNTS = ["q_heads", "k_heads", "n_batch", "q_rows", "k_rows", "rows_per_program", "n_groups", "inner", "seq_len",
-             "n_seqs", "freqs_len", "cp_rank", "stride_fb"] + MAGIC
+             "n_seqs", "freqs_len", "cp_rank", "stride_fb", "backward"] + MAGIC
 _COUNTS = ["n_heads", "n_batch", "rows_per_group", "rows_per_program", "n_groups", "inner", "seq_len", "n_seqs",
-           "freqs_len", "cp_rank", "stride_fb", "magic_groups", "magic_inner", "magic_batch", "magic_heads"]
+           "freqs_len", "cp_rank", "stride_fb", "backward", "magic_groups", "magic_inner", "magic_batch", "magic_heads"]
 
 
 @triton.jit
@@ -102,9 +102,9 @@ def rope_qk_kernel(
     q_ptr, q_out_ptr, k_ptr, k_out_ptr, cos_or_freqs_ptr, sin_ptr, start_positions_ptr, cu_seqlens_or_positions_ptr,
     q_heads, k_heads, n_batch, q_rows, k_rows, rows_per_program, n_groups, inner,
     magic_groups, magic_inner, magic_batch, magic_qheads, magic_kheads,
-    seq_len, n_seqs, freqs_len, cp_size, cp_rank,
+    seq_len, n_seqs, freqs_len, cp_size, cp_rank, backward,
     q_strides, q_out_strides, k_strides, k_out_strides, stride_fs, stride_fb, stride_fd, stride_fm, positions_strides,
-    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
@@ -115,12 +115,13 @@ def rope_qk_kernel(
     """q and k of one layer in one launch (QK: a group's rows are q's then k's, its angles found once for both), or
     one tensor (`rope_kernel`): a program's chunks of a group's rows, rotated by the group's angles.
     cos_or_freqs_ptr: the cos table (TABLE) or the angles `freqs`; cu_seqlens_or_positions_ptr: the positions
-    (POS_TABLE) or cu_seqlens (thd). Each tensor's strides are one tuple, (s, b, h, d) in the kernel's roles;
-    positions_strides is (s, b, stream). The angles' strides are scalars: `stride_fb` must not be specialized
-    (QK_COUNTS), and Triton's do_not_specialize takes whole parameters. PERMUTE (DeepSeek-V3's form, half-split
-    angles): 1 reads the pairs interleaved (2i, 2i + 1) and writes them half-split (i, i + d2/2); 2, its backward,
-    the other way round; 0 reads and writes the pairs INTERLEAVED says. In place too (Megatron-LM's MLA form): a
-    tile's pairs are all loaded before any is stored (`_store_pairs`' barrier)."""
+    (POS_TABLE) or cu_seqlens (thd). `backward` (0 or 1) is the direction, a value: one compile serves both, and it
+    steers only the sign of the group's sines (`_angles`). Each tensor's strides are one tuple, (s, b, h, d) in the
+    kernel's roles; positions_strides is (s, b, stream). The angles' strides are scalars: `stride_fb` must not be
+    specialized (QK_COUNTS), and Triton's do_not_specialize takes whole parameters. PERMUTE (DeepSeek-V3's form,
+    half-split angles): 1 reads the pairs interleaved (2i, 2i + 1) and writes them half-split (i, i + d2/2); 2, its
+    backward, the other way round; 0 reads and writes the pairs INTERLEAVED says. In place too (Megatron-LM's MLA
+    form): a tile's pairs are all loaded before any is stored (`_store_pairs`' barrier)."""
     if PDL:  # launched as a programmatic dependent of the kernel before it: wait for that kernel's writes first
         tl.extra.cuda.gdc_wait()
     stride_qs, stride_qb, stride_qh, stride_qd = q_strides
@@ -156,7 +157,7 @@ def rope_qk_kernel(
         start_positions_ptr=start_positions_ptr, cu_seqlens_or_positions_ptr=cu_seqlens_or_positions_ptr,
         seq_len=seq_len, n_seqs=n_seqs, freqs_len=freqs_len, cp_size=cp_size, cp_rank=cp_rank, stride_fs=stride_fs,
         stride_fb=stride_fb, stride_fd=stride_fd, stride_fm=stride_fm, stride_ps=stride_ps, stride_pb=stride_pb,
-        stride_pm=stride_pm, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=IS_THD,
+        stride_pm=stride_pm, backward=backward, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, IS_THD=IS_THD,
         HAS_START=HAS_START, USE_CP=USE_CP, BLOCK_HALF=BLOCK_HALF, PIN=PIN, TABLE=TABLE, FANOUT=FANOUT,
         POS_TABLE=POS_TABLE, HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2)
     _rotate_and_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
@@ -195,9 +196,9 @@ def rope_qk_kernel(
 def rope_kernel(
     x_ptr, out_ptr, cos_or_freqs_ptr, sin_ptr, start_positions_ptr, cu_seqlens_or_positions_ptr,
     n_heads, n_batch, rows_per_group, rows_per_program, n_groups, inner, magic_groups, magic_inner, magic_batch,
-    magic_heads, seq_len, n_seqs, freqs_len, cp_size, cp_rank,
+    magic_heads, seq_len, n_seqs, freqs_len, cp_size, cp_rank, backward,
     x_strides, out_strides, stride_fs, stride_fb, stride_fd, stride_fm, positions_strides,
-    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
     IS_THD: tl.constexpr, GROUP_PER_BATCH: tl.constexpr, HAS_START: tl.constexpr, USE_CP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr, RNE_BF16: tl.constexpr,
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
@@ -213,10 +214,10 @@ def rope_kernel(
         q_rows=rows_per_group, k_rows=0, rows_per_program=rows_per_program, n_groups=n_groups, inner=inner,
         magic_groups=magic_groups, magic_inner=magic_inner, magic_batch=magic_batch, magic_qheads=magic_heads,
         magic_kheads=magic_heads, seq_len=seq_len, n_seqs=n_seqs, freqs_len=freqs_len, cp_size=cp_size,
-        cp_rank=cp_rank, q_strides=x_strides, q_out_strides=out_strides, k_strides=x_strides,
+        cp_rank=cp_rank, backward=backward, q_strides=x_strides, q_out_strides=out_strides, k_strides=x_strides,
         k_out_strides=out_strides, stride_fs=stride_fs, stride_fb=stride_fb, stride_fd=stride_fd, stride_fm=stride_fm,
         positions_strides=positions_strides, HEAD_DIM=HEAD_DIM,
-        ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BACKWARD=BACKWARD, IS_THD=IS_THD, GROUP_PER_BATCH=GROUP_PER_BATCH,
+        ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, IS_THD=IS_THD, GROUP_PER_BATCH=GROUP_PER_BATCH,
         HAS_START=HAS_START, USE_CP=USE_CP, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL,
         RNE_BF16=RNE_BF16, PIN=PIN, INPLACE=INPLACE, TABLE=TABLE, SPLIT=SPLIT, FANOUT=FANOUT, POS_TABLE=POS_TABLE,
         HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2, QK=False, PDL=PDL, EAGER=EAGER,

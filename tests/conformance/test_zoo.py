@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
@@ -180,9 +181,11 @@ def _first_forward_bug(name):
                                                          if "forward" in props)
 
 
-# The conventions in four groups, one process each: pytest-xdist spreads them over its workers (one process for all
-# was the longest test of the GPU suite), and each group starts torch once.
-CLI_GROUPS = [list(zoo_modules())[i::4] for i in range(4)]
+# The conventions in groups, one process each, which pytest-xdist spreads over its workers (one process for all was
+# the longest test of the GPU suite); each group starts torch once. Eight on a GPU host (16 workers; four groups took
+# 40 to 60 s each there, the longest tests but two), four on the CPU (a start is some seconds of a 2-core machine).
+_CLI_GROUP_COUNT = 8 if torch.cuda.is_available() else 4
+CLI_GROUPS = [list(zoo_modules())[i::_CLI_GROUP_COUNT] for i in range(_CLI_GROUP_COUNT)]
 
 
 @pytest.mark.parametrize("names", CLI_GROUPS, ids=[f"group{i}" for i in range(len(CLI_GROUPS))])

@@ -212,21 +212,37 @@ def test_graph_replay_follows_inputs_changed_in_place():
 
 
 FORMATS = ("sbhd", "bshd", "thd")
+# The kinds of call the threads draw from: each kind is one kernel specialization, compiled by whichever thread
+# meets it first (the threads also compile concurrently), so the test's time is its calls, not about one compile
+# per call as with every call's structure drawn afresh.
+KINDS = 32
 
 
-def _random_call(rnd: random.Random, gen, shared_freqs):
-    """A random call: format, shape, dtype, partial rotary, interleaved, start_positions or cp."""
+def _random_kind(rnd: random.Random) -> dict:
+    """A call's structure: format, shape, dtype, partial rotary, interleaved, start_positions, cp."""
     fmt = rnd.choice(FORMATS)
-    dtype = rnd.choice([torch.float32, torch.bfloat16, torch.float16])
-    h, d = rnd.randint(1, 8), rnd.choice([16, 32, 64, 80, 128])
-    d2 = rnd.choice([d, d // 2 - d // 2 % 2])
+    d = rnd.choice([16, 32, 64, 80, 128])
     cp = rnd.choice([1, 1, 2])
-    rank = rnd.randrange(cp)
-    kw = dict(tensor_format=fmt, interleaved=rnd.random() < 0.3)
-    if cp > 1:
-        kw.update(cp_size=cp, cp_rank=rank)
+    kind = dict(fmt=fmt, dtype=rnd.choice([torch.float32, torch.bfloat16, torch.float16]), h=rnd.randint(1, 8), d=d,
+                d2=rnd.choice([d, d // 2 - d // 2 % 2]), cp=cp, rank=rnd.randrange(cp),
+                interleaved=rnd.random() < 0.3, start=rnd.random() < 0.4)
     if fmt == "thd":
-        n = rnd.choice([3, 40])
+        kind.update(n=rnd.choice([3, 40]))
+    else:
+        kind.update(s=2 * rnd.randint(1, 32), b=rnd.randint(1, 4))
+    return kind
+
+
+def _random_call(rnd: random.Random, gen, shared_freqs, kinds):
+    """A random call of one of `kinds`: its tensors' values, thd's sequence lengths and the choice of a shared or a
+    fresh `freqs` drawn anew."""
+    kind = rnd.choice(kinds)
+    fmt, dtype, h, d, d2, cp = (kind[k] for k in ("fmt", "dtype", "h", "d", "d2", "cp"))
+    kw = dict(tensor_format=fmt, interleaved=kind["interleaved"])
+    if cp > 1:
+        kw.update(cp_size=cp, cp_rank=kind["rank"])
+    if fmt == "thd":
+        n = kind["n"]
         lengths = torch.randint(0, 9, (n,), generator=gen) * 2 * cp
         cu = torch.zeros(n + 1, dtype=torch.int64)
         cu[1:] = lengths.cumsum(0)
@@ -234,10 +250,9 @@ def _random_call(rnd: random.Random, gen, shared_freqs):
         t = make_t("thd", int(cu[-1]) // cp, 1, h, d, dtype, gen)
         n_seqs = n
     else:
-        s, b = 2 * rnd.randint(1, 32), rnd.randint(1, 4)
-        t = make_t(fmt, s, b, h, d, dtype, gen)
-        n_seqs = b
-    if rnd.random() < 0.4:
+        t = make_t(fmt, kind["s"], kind["b"], h, d, dtype, gen)
+        n_seqs = kind["b"]
+    if kind["start"]:
         kw["start_positions"] = torch.randint(0, 16, (n_seqs,), generator=gen).to(DEVICE)
     freqs = shared_freqs[d2] if rnd.random() < 0.5 else make_freqs(16 + 2 * 64 * 2 + 1, d2, gen)
     return t, freqs, kw
@@ -245,9 +260,10 @@ def _random_call(rnd: random.Random, gen, shared_freqs):
 
 @pytest.mark.slow
 def test_stress_threads_and_streams(record_property):
-    """Threads x streams x random calls, each checked against the float64 reference; shared freqs
+    """Threads x streams x random calls of KINDS kinds, each checked against the float64 reference; shared freqs
     tensors (tables read across streams) and fresh ones (tables built and freed all the time)."""
     threads_n, streams_n, calls = 4, 2, 250
+    kinds = [_random_kind(random.Random(10_000 + i)) for i in range(KINDS)]
     shared = {d2: make_freqs(16 + 2 * 64 * 2 + 1, d2, torch.Generator().manual_seed(d2))
               for d2 in (6, 8, 14, 16, 30, 32, 38, 40, 62, 64, 80, 128)}
     torch.cuda.synchronize()
@@ -262,7 +278,7 @@ def test_stress_threads_and_streams(record_property):
             streams = [torch.cuda.Stream() for _ in range(streams_n)]
             pending = []
             for c in range(calls):
-                t, freqs, kw = _random_call(rnd, gen, shared)
+                t, freqs, kw = _random_call(rnd, gen, shared, kinds)
                 stream = streams[c % streams_n]
                 with torch.cuda.stream(stream):
                     if rnd.random() < 0.1:
