@@ -23,7 +23,7 @@ from ._common import (
 )
 from .rope import QK_COUNTS, _in_output, _rotated_eager
 
-_NORM_COUNTS = QK_COUNTS + ["n_items", "n_progs"]
+_NORM_COUNTS = [n for n in QK_COUNTS if n != "backward"] + ["n_items", "n_progs"]  # its direction is a constexpr
 
 
 @triton.jit
