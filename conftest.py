@@ -243,9 +243,9 @@ class TargetTested:
 
 
 # The longest tests, longest first: on a device the Hypothesis properties (compile-bound: most examples are a new
-# kernel specialization), the thread and stream stress test, the command-line runs of the zoo. docs/conformance.md
-# gives the measured times. A pattern is matched against the test's node id.
-_LONGEST_FIRST = ("test_streams.py::test_stress", "test_properties.py::test_matches_float64_reference",
+# kernel specialization) and the command-line runs of the zoo. docs/conformance.md gives the measured times. A
+# pattern is matched against the test's node id.
+_LONGEST_FIRST = ("test_properties.py::test_matches_float64_reference",
                   "test_native.py::test_backward", "test_native.py::test_forward",
                   "test_zoo.py::test_through_rope_impl", "test_native.py::test_invariant",
                   "test_zoo.py::test_correct_passes",

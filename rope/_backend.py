@@ -361,15 +361,15 @@ def dispatch(conv: Convention, ts: tuple, reads: tuple = (), flags: tuple = (), 
             call = call_of(conv, ts[:2] if conv.norm else ts, reads, flags)
             if seen is not None:
                 seen.call = call
+    read = conv.reads(call, reads, flags)  # (angles, start, index, pos_table), and (norm, eps) for a norm convention
+    start = read[1]
+    if start is not None and not start.is_contiguous():  # a strided or expanded view: the kernels read it at stride 1
+        start = start.contiguous()
     if conv.norm:
-        angles, start, index, pos_table, norm, eps = conv.reads(call, reads, flags)
-        if start is not None and not start.is_contiguous():  # the kernels read one per sequence at stride 1
-            start = start.contiguous()
+        angles, _, index, pos_table, norm, eps = read
         return norm_rotate(*ts, call, angles, norm=norm, eps=eps, start_positions=start, token_index=index,
                            pos_table=pos_table, inplace=inplace)
-    angles, start, index, pos_table = conv.reads(call, reads, flags)
-    if start is not None and not start.is_contiguous():  # a strided or expanded view: the kernels take no stride
-        start = start.contiguous()
+    angles, _, index, pos_table = read
     if torch.is_grad_enabled() and (x.requires_grad or (len(ts) > 1 and ts[1].requires_grad)):
         return record(ts, call, angles, start_positions=start, token_index=index, pos_table=pos_table,
                       inplace=inplace)
