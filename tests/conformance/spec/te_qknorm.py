@@ -227,6 +227,8 @@ def thd_equals_per_sequence(conv, fn, caps, plan):
         return
     lengths = plan.lengths or (plan.s * plan.cp_size,) * plan.b
     lengths = lengths[:2] if small() else lengths  # the interpreter: a program per token, one after another
+    if sum(n > 0 for n in lengths) == 1:  # positions that do not restart differ only after a sequence with tokens
+        lengths = (*lengths, max(lengths))
     p = plan._replace(tensor_format="thd", lengths=lengths, q_layout=contiguous(3), k_layout=contiguous(3))
     case = make_case(conv, caps, p)
     got = call(fn, case)
