@@ -91,6 +91,11 @@ def cases(R):
     angd = torch.rand(64, 1, 64, device=dev) * 100
     cosd, sind = torch.cat([angd, angd], -1).cos().to(bf), torch.cat([angd, angd], -1).sin().to(bf)
     out["qknorm decode 64 fwd"] = lambda: R.qknorm.apply(qd, kd, wq, wk, cosd, sind)
+    # QK-RMSNorm + RoPE in TransformerEngine's form: sbhd, angles evaluated from freqs
+    qs = torch.randn(4096, 1, 32, 128, device=dev, dtype=bf)
+    ks = torch.randn(4096, 1, 8, 128, device=dev, dtype=bf)
+    fs = torch.rand(4096, 1, 1, 128, device=dev) * 100
+    out["te-qknorm sbhd 4K fwd"] = lambda: R.qknorm.apply_freqs(qs, ks, wq, wk, fs)
     return out
 
 
