@@ -243,37 +243,59 @@ class TargetTested:
 
 
 # The longest tests, longest first: on a device the Hypothesis properties (compile-bound: most examples are a new
-# kernel specialization) and the command-line runs of the zoo. docs/conformance.md gives the measured times. A
-# pattern is matched against the test's node id.
-_LONGEST_FIRST = ("test_properties.py::test_matches_float64_reference",
-                  "test_native.py::test_backward", "test_native.py::test_forward",
-                  "test_zoo.py::test_through_rope_impl", "test_native.py::test_invariant",
-                  "test_zoo.py::test_correct_passes",
-                  "test_domains.py::test_every_declared_class_is_drawn", "test_properties.py", "test_native.py")
+# kernel specialization; batch invariance calls each example's kernels three times over, whole, alone and rolled)
+# and the command-line runs of the zoo. docs/conformance.md gives the measured times. A pattern is a tuple of parts,
+# each found in the test's node id.
+_LONGEST_FIRST = (("test_native.py::test_invariant", "batch_rows_alone]"),
+                  ("test_properties.py::test_matches_float64_reference",),
+                  ("test_native.py::test_backward",), ("test_native.py::test_forward",),
+                  ("test_zoo.py::test_through_rope_impl",), ("test_native.py::test_invariant",),
+                  ("test_zoo.py::test_correct_passes",),
+                  ("test_domains.py::test_every_declared_class_is_drawn",), ("test_properties.py",),
+                  ("test_native.py",))
 
 
 def _longest_rank(item) -> int:
-    return next((i for i, pattern in enumerate(_LONGEST_FIRST) if pattern in item.nodeid), len(_LONGEST_FIRST))
+    return next((i for i, parts in enumerate(_LONGEST_FIRST) if all(part in item.nodeid for part in parts)),
+                len(_LONGEST_FIRST))
 
 
-def dealt(items: list, workers: int) -> list:
+def dealt(items: list, workers: int, idle=lambda item: False) -> list:
     """items (longest first) laid out for pytest-xdist's work stealing, which hands worker i a run of consecutive
-    tests (n // workers for the first, then the rest evenly over the others) and lets an idle worker take the back
-    half of the longest queue: dealt round-robin into those runs, each worker starts on its share of the longest
-    tests, and the short ones at the back are what moves. Without this the longest tests would queue one after
-    another at the front of the first worker's run."""
+    tests (n // workers for the first, then the rest evenly over the others), keeps the two at the front of a
+    worker's queue (the one running and the next) and lets an idle worker take the back half of the rest of the
+    longest queue. The tests that work are dealt into those runs in snake order (runs 0 to n - 1, then n - 1 to 0,
+    ...), so that a run's first two pair a longer test with a shorter one; the `idle` ones (tests that only skip:
+    another convention's, under a target without it) fill each run in front of them, so that what a worker steals
+    is work. Without this the longest tests would queue one after another at the front of the first worker's run,
+    and under a target the skips would be what moves."""
     sizes, left = [], len(items)
     for i in range(workers):
         sizes.append(left // (workers - i))
         left -= sizes[-1]
     runs = [[] for _ in sizes]
+    snake = [*range(workers), *reversed(range(workers))]
     turn = 0
-    for item in items:
-        while len(runs[turn % workers]) >= sizes[turn % workers]:
+    for item in (item for item in items if not idle(item)):
+        while len(runs[snake[turn % len(snake)]]) >= sizes[snake[turn % len(snake)]]:
             turn += 1
-        runs[turn % workers].append(item)
+        runs[snake[turn % len(snake)]].append(item)
         turn += 1
+    quick = iter([item for item in items if idle(item)])
+    for run, size in zip(runs, sizes, strict=True):
+        run[:0] = [next(quick) for _ in range(size - len(run))]
     return [item for run in runs for item in run]
+
+
+def _skips_for_target(config):
+    """Whether a collected test only skips under this run's target: a property of a convention it has no call of."""
+    fns = _target(config).fns
+
+    def idle(item) -> bool:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return "target" in getattr(item, "fixturenames", ()) and "name" in params and params["name"] not in fns
+
+    return idle
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected: the runs are of what is collected
@@ -289,7 +311,7 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=own)
             items[:] = [item for item in items if not _own_test(item.path)]
     items.sort(key=_longest_rank)  # stable: collection order otherwise
-    items[:] = dealt(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    items[:] = dealt(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), _skips_for_target(config))
     for item in items:
         name = property_name(item)
         if name is not None:

@@ -285,18 +285,40 @@ def rope_qknorm_kernel(
     pid = tl.program_id(0)
     if not BACKWARD:
         # One work item per program (the launcher's grid). As in rope_qk_kernel, the first tile's loads are issued
-        # before the position, the angles and the weights are found: the angles are found in the loop's first
-        # round, after its loads, so that the tile's work is compiled once (a first tile unrolled before the loop
-        # makes the forward's compile about 1.5 times as long).
+        # before the position, the angles and the weights are found.
         s_idx, b_idx, r_begin, r_end, q_base, q_out_base, k_base, k_out_base = _group_of(
             item=pid, n_groups=n_groups, inner=inner, magic_groups=magic_groups, magic_inner=magic_inner,
             magic_batch=magic_batch, n_batch=n_batch, rows_per_program=rows_per_program, q_rows=q_rows,
             k_rows=k_rows, stride_qs=stride_qs, stride_qb=stride_qb, stride_qos=stride_qos, stride_qob=stride_qob,
             stride_ks=stride_ks, stride_kb=stride_kb, stride_kos=stride_kos, stride_kob=stride_kob,
             GROUP_PER_BATCH=GROUP_PER_BATCH, SPLIT=SPLIT)
-        cos_a = tl.zeros([1, BLOCK_HALF], tl.float32)
-        cos_b, sin_a, sin_b = cos_a, cos_a, cos_a
-        for r0 in range(r_begin, r_end, BLOCK_R):
+        xq, xk, oq, ok, in_q, rows_ok = _rows(
+            q_ptr=q_ptr, q_out_ptr=q_out_ptr, k_ptr=k_ptr, k_out_ptr=k_out_ptr, q_base=q_base, q_out_base=q_out_base,
+            k_base=k_base, k_out_base=k_out_base, r0=r_begin, r_end=r_end, q_rows=q_rows, q_heads=q_heads,
+            k_heads=k_heads, magic_qheads=magic_qheads, magic_kheads=magic_kheads, stride_qb=stride_qb,
+            stride_qh=stride_qh, stride_qob=stride_qob, stride_qoh=stride_qoh, stride_kb=stride_kb,
+            stride_kh=stride_kh, stride_kob=stride_kob, stride_koh=stride_koh, GROUP_PER_BATCH=GROUP_PER_BATCH,
+            BLOCK_R=BLOCK_R, QK=True)
+        xa, xb, xt = _load_head(q_rows_ptr=xq, k_rows_ptr=xk, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
+                                stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
+                                BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL)
+        cos_a, cos_b, sin_a, sin_b = _group_angles(
+            s_idx=s_idx, b_idx=b_idx, cos_or_freqs_ptr=cos_or_freqs_ptr, sin_ptr=sin_ptr,
+            start_positions_ptr=start_positions_ptr, cu_seqlens_or_positions_ptr=cu_seqlens_or_positions_ptr,
+            seq_len=seq_len, n_seqs=n_seqs, freqs_len=freqs_len, cp_size=cp_size, cp_rank=cp_rank,
+            stride_fs=stride_fs, stride_fb=stride_fb, stride_fd=stride_fd, stride_fm=stride_fm, stride_ps=stride_ps,
+            stride_pb=stride_pb, stride_pm=stride_pm, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, backward=False,
+            IS_THD=IS_THD, HAS_START=HAS_START, USE_CP=USE_CP, BLOCK_HALF=BLOCK_HALF, PIN=PIN, TABLE=TABLE,
+            FANOUT=FANOUT, POS_TABLE=POS_TABLE, HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2)
+        _norm_rotate_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
+                           stride_kd=stride_kod, xa=xa, xb=xb, xt=xt, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
+                           sin_b=sin_b, q_weight_ptr=q_weight_ptr, k_weight_ptr=k_weight_ptr, eps=eps,
+                           x_rows_q=xq, x_rows_k=xk, x_stride_qd=stride_qd, x_stride_kd=stride_kd, factor_q=factor_q,
+                           factor_k=factor_k, out_ty=out_ty,
+                           HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R,
+                           BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16, INPLACE=INPLACE,
+                           NORM=NORM, EAGER=EAGER, LANES_Q=LANES_Q, LANES_K=LANES_K, VEC=VEC)
+        for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
             xq, xk, oq, ok, in_q, rows_ok = _rows(
                 q_ptr=q_ptr, q_out_ptr=q_out_ptr, k_ptr=k_ptr, k_out_ptr=k_out_ptr, q_base=q_base,
                 q_out_base=q_out_base, k_base=k_base, k_out_base=k_out_base, r0=r0, r_end=r_end, q_rows=q_rows,
@@ -307,16 +329,6 @@ def rope_qknorm_kernel(
             xa, xb, xt = _load_head(q_rows_ptr=xq, k_rows_ptr=xk, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
                                     stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
                                     BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL)
-            if r0 == r_begin:
-                cos_a, cos_b, sin_a, sin_b = _group_angles(
-                    s_idx=s_idx, b_idx=b_idx, cos_or_freqs_ptr=cos_or_freqs_ptr, sin_ptr=sin_ptr,
-                    start_positions_ptr=start_positions_ptr, cu_seqlens_or_positions_ptr=cu_seqlens_or_positions_ptr,
-                    seq_len=seq_len, n_seqs=n_seqs, freqs_len=freqs_len, cp_size=cp_size, cp_rank=cp_rank,
-                    stride_fs=stride_fs, stride_fb=stride_fb, stride_fd=stride_fd, stride_fm=stride_fm,
-                    stride_ps=stride_ps, stride_pb=stride_pb, stride_pm=stride_pm, ROT_DIM=ROT_DIM,
-                    INTERLEAVED=INTERLEAVED, backward=False, IS_THD=IS_THD, HAS_START=HAS_START, USE_CP=USE_CP,
-                    BLOCK_HALF=BLOCK_HALF, PIN=PIN, TABLE=TABLE, FANOUT=FANOUT, POS_TABLE=POS_TABLE,
-                    HALF_TABLE=HALF_TABLE, MROPE=MROPE, SEC0=SEC0, SEC1=SEC1, SEC2=SEC2)
             _norm_rotate_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
                                stride_kd=stride_kod, xa=xa, xb=xb, xt=xt, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
                                sin_b=sin_b, q_weight_ptr=q_weight_ptr, k_weight_ptr=k_weight_ptr, eps=eps,

@@ -258,3 +258,29 @@ def test_longest_tests_are_dealt_one_per_worker_run(request, workers, longest, s
             assert run[0] == ("long", i), (i, run)
         kinds = [kind for kind, _ in run]
         assert kinds == sorted(kinds), f"run {i}: a short test before a long one: {run}"
+
+
+@pytest.mark.parametrize("workers,working,skipping", [(4, 10, 306), (16, 40, 3000), (4, 8, 0), (3, 5, 2), (2, 0, 9)])
+def test_skips_lead_each_run_and_work_is_dealt_in_snake_order(request, workers, working, skipping):
+    """conftest.dealt with tests that only skip (another convention's, under a target without it): each worker's run
+    holds its skips first, so that the tests at the back of its queue, which an idle worker steals, are work; the
+    working tests (longest first) go to runs 0 to n - 1, then n - 1 to 0, so that the two a worker keeps pair a long
+    test with a shorter one."""
+    (conftest,) = [p for p in request.config.pluginmanager.get_plugins()
+                   if getattr(p, "__file__", None) == str(ROOT / "conftest.py")]
+    items = [("skip", i) for i in range(skipping)] + [("work", i) for i in range(working)]
+    laid = conftest.dealt(items, workers, idle=lambda item: item[0] == "skip")
+    assert sorted(laid) == sorted(items)
+    runs, left, at = [], len(items), 0
+    for i in range(workers):
+        size = left // (workers - i)
+        runs.append(laid[at:at + size])
+        at, left = at + size, left - size
+    snake = [*range(workers), *reversed(range(workers))]
+    want = [[] for _ in range(workers)]
+    for j in range(working):
+        want[snake[j % len(snake)]].append(("work", j))
+    for i, run in enumerate(runs):
+        kinds = [kind for kind, _ in run]
+        assert kinds == sorted(kinds), f"run {i}: work before a skip: {run}"
+        assert [item for item in run if item[0] == "work"] == want[i], (i, run)
