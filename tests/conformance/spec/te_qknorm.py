@@ -140,7 +140,7 @@ class TEQKNorm(Convention):
                 draw(layouts(nd)) if strides else contiguous(nd), draw(layouts(nd)) if strides else contiguous(nd),
                 draw(layouts(4)) if strides else contiguous(4))
 
-        return domains.with_explicit(domains.with_empty(draw(), caps, no_tokens, ("b", "s"), all_first=False),
+        return domains.with_explicit(domains.with_empty(draw(), caps, no_tokens, ("b", "s")),
                                      caps)
 
     def build(self, p: Plan, arena, weights=None) -> Case:
