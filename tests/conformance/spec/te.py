@@ -349,16 +349,21 @@ def call(fn, case, **overrides):
     return Case(case.plan, {**case.args, **overrides}, case.positional).call(fn)
 
 
-def graph_view(x: torch.Tensor):
-    """(view, leaf): x's values as the same view (shape, strides, offset) of a new buffer, now computed from `leaf`
-    (contiguous, requires grad), as a projection's output reaches RoPE inside a graph."""
-    leaf = x.detach().clone().requires_grad_()
+def laid_out_as(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` (x's shape) as the same view as x (shape, strides, offset) of a new NaN-filled buffer."""
     size = x.storage_offset() + sum((n - 1) * st_ for n, st_ in zip(x.shape, x.stride(), strict=True)) + 1 \
         if x.numel() else 1
     base = torch.full((size,), float("nan"), dtype=x.dtype, device=x.device)
     view = base.as_strided(x.shape, x.stride(), x.storage_offset())
-    view.copy_(leaf)
-    return view, leaf
+    view.copy_(values)
+    return view
+
+
+def graph_view(x: torch.Tensor):
+    """(view, leaf): x's values as the same view (shape, strides, offset) of a new buffer, now computed from `leaf`
+    (contiguous, requires grad), as a projection's output reaches RoPE inside a graph."""
+    leaf = x.detach().clone().requires_grad_()
+    return laid_out_as(x, leaf), leaf
 
 
 def forward_backward(fn, case, up=None, **overrides):

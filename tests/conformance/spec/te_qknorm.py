@@ -25,7 +25,7 @@ from ..run import make_case
 from ..tensors import DTYPES, Layout, contiguous, layouts, seeds
 from . import Case, Convention, Expect, domains, head_and_rotary, qknorm_math, small
 from .qknorm import EPS_VALUES, MAGNITUDES, QKNorm, rotation_preserves_norm
-from .te import graph_view
+from .te import graph_view, laid_out_as
 
 FORMATS = ("sbhd", "bshd", "thd")
 
@@ -254,8 +254,9 @@ def start_positions_shift(conv, fn, caps, plan):
     case = make_case(conv, caps, p)
     got = call(fn, case)
     for i, start in enumerate(case.args["start_positions"].tolist()):
-        one = {n: case.args[n][i:i + 1] for n in ("q", "k")}
-        want = call(fn, case, **one, freqs=case.args["freqs"][start:], start_positions=None)
+        # fresh tensors: each sequence's call and each shift has the same alignment (one kernel specialization)
+        one = {n: case.args[n][i:i + 1].clone() for n in ("q", "k")}
+        want = call(fn, case, **one, freqs=case.args["freqs"][start:].clone(), start_positions=None)
         for name, g, w in zip(("q", "k"), got, want, strict=True):
             assert_close(f"sequence {i}: {name} with freqs shifted by start_positions {start}", g[i:i + 1], w,
                          one[name], case.args[f"{name}_weight"], p)
@@ -316,8 +317,9 @@ def _batched(plan) -> Plan:
 
 def batch_rows_alone(conv, fn, caps, plan):
     """Batch invariance, bitwise: each sequence (a batch entry, or a packed thd sequence with cu_seqlens of its own)
-    called alone, its own start position given as start_positions, and the sequences rolled by one (each at another
-    batch index or packed offset, start_positions rolled with them) give bitwise its results in the whole call: q'
+    called alone (its own new tensors), its own start position given as start_positions, and the sequences rolled by
+    one (each at another batch index or packed offset, start_positions rolled with them; in the whole call's layout,
+    so that the rolled call is the whole call's kernel specialization) give bitwise its results in the whole call: q'
     and k', and q's and k's gradients from the same random upstream gradients. The norm's sum runs over one head of
     one token, so nothing of another sequence may enter it; the weights' gradients are a sum over every token of
     the call by definition and are not compared."""
@@ -355,7 +357,8 @@ def batch_rows_alone(conv, fn, caps, plan):
     if thd:
         extra["cu_seqlens"] = cu_of([p.lengths[j] for j in order.tolist()]).to(device)
     o, g, _ = forward_backward(fn, case, tuple(u.index_select(dim, perm) for u in ups),
-                               **{n: case.args[n].index_select(dim, perm) for n in ("q", "k")}, **extra)
+                               **{n: laid_out_as(case.args[n], case.args[n].index_select(dim, perm))
+                                  for n in ("q", "k")}, **extra)
     for what, got, want in (("", o, outs), ("the gradient of ", g, grads)):
         for name, r, w in zip(("q", "k"), got, want, strict=True):
             assert_bitwise(f"batch invariance: {what}{name} with the sequences rolled by one, against the whole "
