@@ -4,6 +4,7 @@ Without a CUDA device the Triton kernels run in Triton's interpreter on CPU tens
 interpreter is chosen by TRITON_INTERPRET=1, which Triton reads when it is first imported, so it
 is set here, before any test module imports `rope` (and with it, `triton`).
 """
+import itertools
 import os
 from pathlib import Path
 
@@ -274,13 +275,12 @@ def dealt(items: list, workers: int, idle=lambda item: False) -> list:
         sizes.append(left // (workers - i))
         left -= sizes[-1]
     runs = [[] for _ in sizes]
-    snake = [*range(workers), *reversed(range(workers))]
-    turn = 0
+    snake = itertools.cycle([*range(workers), *reversed(range(workers))])
     for item in (item for item in items if not idle(item)):
-        while len(runs[snake[turn % len(snake)]]) >= sizes[snake[turn % len(snake)]]:
-            turn += 1
-        runs[snake[turn % len(snake)]].append(item)
-        turn += 1
+        run = next(snake)
+        while len(runs[run]) >= sizes[run]:
+            run = next(snake)
+        runs[run].append(item)
     quick = iter([item for item in items if idle(item)])
     for run, size in zip(runs, sizes, strict=True):
         run[:0] = [next(quick) for _ in range(size - len(run))]

@@ -284,3 +284,16 @@ def test_skips_lead_each_run_and_work_is_dealt_in_snake_order(request, workers, 
         kinds = [kind for kind, _ in run]
         assert kinds == sorted(kinds), f"run {i}: work before a skip: {run}"
         assert [item for item in run if item[0] == "work"] == want[i], (i, run)
+
+
+def test_a_targets_tests_close_each_workers_run():
+    """Under a target, the tests of conventions it has no call of (they only skip) lead each pytest-xdist worker's run
+    and the target's own tests close it (conftest._skips_for_target, conftest.dealt): what an idle worker steals
+    from the back of a queue is the target's work."""
+    out = _pytest("--collect-only", "-q", "--rope-impl", "te-qknorm:rope.qknorm:apply_freqs", NATIVE,
+                  env={"PYTEST_XDIST_WORKER_COUNT": "2"})
+    ids = [ln for ln in out.stdout.splitlines() if "::" in ln]
+    assert len(ids) > 100, out.stdout[-3000:] + out.stderr[-3000:]
+    for run in (ids[:len(ids) // 2], ids[len(ids) // 2:]):
+        targets = ["[te-qknorm" in i for i in run]
+        assert any(targets) and targets == sorted(targets), f"a test of the target before a skip: {run}"
