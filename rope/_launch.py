@@ -462,7 +462,7 @@ def make_plan(x: torch.Tensor, layout, tensor_format: str, interleaved: bool, ha
         args.update(n_items=items, n_progs=max(progs, 1), eps=float(eps), NORM=norm, BACKWARD=backward,
                     q_input_strides=tuple(saved_roles[0]), k_input_strides=tuple(saved_roles[1]),
                     EAGER=eager, LANES_Q=lanes_q, LANES_K=lanes_k, VEC=vec, factor_q=factor_q,
-                    factor_k=factor_k)
+                    factor_k=factor_k, MULTI_TILE=not backward and rows_per_program > block_r)
         cap = _NORM_FWD_MAXNREG if not backward and x.is_cuda and x.element_size() == 2 and not interleaved else None
         return Plan(rope_qknorm_kernel, (progs, 1, 1), kernel_args(rope_qknorm_kernel, NORM_POINTERS, args), num_warps,
                     x.device, dense, None if cap is None else dict(maxnreg=cap))

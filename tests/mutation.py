@@ -106,7 +106,8 @@ SELECTION = {
                                       "test_fullgraph_matches_eager_and_never_recompiles[interleaved-sbhd]",
                                       "test_fullgraph_matches_eager_and_never_recompiles[halfsplit-thd]"),
     "rope/_request.py": f"{API} {QK} {PROPS}",
-    "rope/_launch.py": f"{PROPS} {KERNEL} {API} {QK}",
+    "rope/_launch.py": f"{PROPS} {KERNEL} {API} {QK} "
+                       + nodes("test_qknorm.py", "test_apply_freqs_programs_of_one_and_of_several_tiles"),
     "rope/kernels/_common.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/rope/test_mrope.py "
                                "tests/rope/test_qknorm.py tests/rope/test_serving.py",
     "rope/kernels/rope.py": f"{PROPS} {KERNEL} {QK} {CONVENTIONS} tests/rope/test_mrope.py",

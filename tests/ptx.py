@@ -137,6 +137,8 @@ VARIANTS = [
 # rope_qknorm_kernel (the launcher's table tile: 8 rows, one warp for bf16 d 128) and rope_cache_kernel
 NORM_VARIANTS = [
     ("norm fwd, table bf16 d128", dict(table=True, norm=1, num_warps=1, split=True)),
+    ("norm fwd, table bf16 d128, programs of one tile", dict(table=True, norm=1, num_warps=1, split=True,
+                                                              multi_tile=False)),
     ("norm fwd, eager, rows of q and k apart", dict(table=True, norm=1, num_warps=1, split=True, eager=True,
                                                      lanes=(32, 64))),
     ("norm fwd, eager, sums from the tile", dict(table=True, norm=1, num_warps=1, split=True, eager=True)),

@@ -262,7 +262,7 @@ def rope_qknorm_kernel(
     PIN: tl.constexpr, INPLACE: tl.constexpr, TABLE: tl.constexpr, SPLIT: tl.constexpr, FANOUT: tl.constexpr,
     POS_TABLE: tl.constexpr, HALF_TABLE: tl.constexpr, MROPE: tl.constexpr, SEC0: tl.constexpr,
     SEC1: tl.constexpr, SEC2: tl.constexpr, NORM: tl.constexpr, EAGER: tl.constexpr, LANES_Q: tl.constexpr,
-    LANES_K: tl.constexpr, VEC: tl.constexpr,
+    LANES_K: tl.constexpr, VEC: tl.constexpr, MULTI_TILE: tl.constexpr,
 ):
     """q and k of one layer normalised per head (RMSNorm with weights w_q, w_k) and rotated, in one launch
     (forward), or its vector-Jacobian product (BACKWARD: q_ptr and k_ptr hold the output gradients, q_input_ptr and
@@ -270,7 +270,7 @@ def rope_qknorm_kernel(
     partial weight gradients. Pointers, strides and angles as in `rope_qk_kernel`. EAGER (forward): the schedule of
     the PyTorch expressions run eagerly on CUDA (`_norm_rotate_store`); LANES_Q and LANES_K, the threads PyTorch's
     reduction gives a row of q and of k (by each tensor's row count), VEC its vectorized loads, factor_q and
-    factor_k its mean's factors."""
+    factor_k its mean's factors. MULTI_TILE (forward): a program may hold more than one tile of rows."""
     stride_qs, stride_qb, stride_qh, stride_qd = q_strides
     stride_qos, stride_qob, stride_qoh, stride_qod = q_out_strides
     stride_ks, stride_kb, stride_kh, stride_kd = k_strides
@@ -318,25 +318,29 @@ def rope_qknorm_kernel(
                            HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R,
                            BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16, INPLACE=INPLACE,
                            NORM=NORM, EAGER=EAGER, LANES_Q=LANES_Q, LANES_K=LANES_K, VEC=VEC)
-        for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
-            xq, xk, oq, ok, in_q, rows_ok = _rows(
-                q_ptr=q_ptr, q_out_ptr=q_out_ptr, k_ptr=k_ptr, k_out_ptr=k_out_ptr, q_base=q_base,
-                q_out_base=q_out_base, k_base=k_base, k_out_base=k_out_base, r0=r0, r_end=r_end, q_rows=q_rows,
-                q_heads=q_heads, k_heads=k_heads, magic_qheads=magic_qheads, magic_kheads=magic_kheads,
-                stride_qb=stride_qb, stride_qh=stride_qh, stride_qob=stride_qob, stride_qoh=stride_qoh,
-                stride_kb=stride_kb, stride_kh=stride_kh, stride_kob=stride_kob, stride_koh=stride_koh,
-                GROUP_PER_BATCH=GROUP_PER_BATCH, BLOCK_R=BLOCK_R, QK=True)
-            xa, xb, xt = _load_head(q_rows_ptr=xq, k_rows_ptr=xk, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qd,
-                                    stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
-                                    BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL)
-            _norm_rotate_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
-                               stride_kd=stride_kod, xa=xa, xb=xb, xt=xt, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
-                               sin_b=sin_b, q_weight_ptr=q_weight_ptr, k_weight_ptr=k_weight_ptr, eps=eps,
-                               x_rows_q=xq, x_rows_k=xk, x_stride_qd=stride_qd, x_stride_kd=stride_kd,
-                               factor_q=factor_q, factor_k=factor_k,
-                               out_ty=out_ty, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED,
-                               BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF, BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16,
-                               INPLACE=INPLACE, NORM=NORM, EAGER=EAGER, LANES_Q=LANES_Q, LANES_K=LANES_K, VEC=VEC)
+        # else the loop, which would not run, is not compiled: the tile's work is written twice (the first tile's
+        # loads go before the angles), and a program of one tile compiles in about half the time
+        if MULTI_TILE:
+            for r0 in range(r_begin + BLOCK_R, r_end, BLOCK_R):
+                xq, xk, oq, ok, in_q, rows_ok = _rows(
+                    q_ptr=q_ptr, q_out_ptr=q_out_ptr, k_ptr=k_ptr, k_out_ptr=k_out_ptr, q_base=q_base,
+                    q_out_base=q_out_base, k_base=k_base, k_out_base=k_out_base, r0=r0, r_end=r_end, q_rows=q_rows,
+                    q_heads=q_heads, k_heads=k_heads, magic_qheads=magic_qheads, magic_kheads=magic_kheads,
+                    stride_qb=stride_qb, stride_qh=stride_qh, stride_qob=stride_qob, stride_qoh=stride_qoh,
+                    stride_kb=stride_kb, stride_kh=stride_kh, stride_kob=stride_kob, stride_koh=stride_koh,
+                    GROUP_PER_BATCH=GROUP_PER_BATCH, BLOCK_R=BLOCK_R, QK=True)
+                xa, xb, xt = _load_head(q_rows_ptr=xq, k_rows_ptr=xk, in_q=in_q, rows_ok=rows_ok,
+                                        stride_qd=stride_qd, stride_kd=stride_kd, HEAD_DIM=HEAD_DIM, ROT_DIM=ROT_DIM,
+                                        INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF,
+                                        BLOCK_TAIL=BLOCK_TAIL)
+                _norm_rotate_store(q_rows_ptr=oq, k_rows_ptr=ok, in_q=in_q, rows_ok=rows_ok, stride_qd=stride_qod,
+                                   stride_kd=stride_kod, xa=xa, xb=xb, xt=xt, cos_a=cos_a, cos_b=cos_b, sin_a=sin_a,
+                                   sin_b=sin_b, q_weight_ptr=q_weight_ptr, k_weight_ptr=k_weight_ptr, eps=eps,
+                                   x_rows_q=xq, x_rows_k=xk, x_stride_qd=stride_qd, x_stride_kd=stride_kd,
+                                   factor_q=factor_q, factor_k=factor_k, out_ty=out_ty, HEAD_DIM=HEAD_DIM,
+                                   ROT_DIM=ROT_DIM, INTERLEAVED=INTERLEAVED, BLOCK_R=BLOCK_R, BLOCK_HALF=BLOCK_HALF,
+                                   BLOCK_TAIL=BLOCK_TAIL, RNE_BF16=RNE_BF16, INPLACE=INPLACE, NORM=NORM, EAGER=EAGER,
+                                   LANES_Q=LANES_Q, LANES_K=LANES_K, VEC=VEC)
     else:
         row = weight_grad_partials_ptr + pid.to(tl.int64) * (2 * HEAD_DIM + BLOCK_R)
         scratch = row + 2 * HEAD_DIM + tl.arange(0, BLOCK_R)

@@ -9,7 +9,7 @@ import torch
 import rope
 import rope.qknorm as qn
 
-from .cases import DEVICE
+from .cases import DEVICE, gpu_decomposition, poison_outputs  # noqa: F401 - fixtures
 
 
 def _qkv(t=5, hq=3, hk=2, hv=2, d=10, dtype=torch.float32, seed=0):
@@ -322,3 +322,47 @@ def test_packed_rows_bitwise_whatever_their_buffer(dtype, d, is_neox):
     for buffer in ("row-padded", "misaligned"):
         differ = (results[buffer] != results["contiguous"]).sum().item()
         assert differ == 0, f"{differ} of {qkv.numel()} elements differ, {buffer} against contiguous"
+
+
+@pytest.mark.parametrize("hq,hk,table,many", [(16, 4, False, True), (3, 2, False, False), (16, 4, True, False)])
+def test_apply_freqs_programs_of_one_and_of_several_tiles(hq, hk, table, many, monkeypatch,
+                                                          poison_outputs, gpu_decomposition):  # noqa: F811
+    """The forward's programs hold a token's q and k rows in one tile, or in several (rows_per_program over BLOCK_R:
+    the kernel compiles its loop over further tiles only then, MULTI_TILE). With the launcher's work split as on a
+    GPU of one SM (8 programs' worth: 8 tokens), angles evaluated from freqs (no table: CUDA graph capture,
+    inference tensors) give a program a whole token, 20 rows in three 8-row tiles or 5 rows in one; read from the
+    angle table, a program is one tile. Each case is checked to take its path, then against the float64 definition
+    on NaN-filled outputs: the rows of a program's later tiles are nowhere else, and a plan that skips them leaves
+    NaN."""
+    from rope import _launch
+
+    monkeypatch.setattr(_launch, "_sm_count", lambda device: 1)
+    plans = []
+    launch = _launch.run
+
+    def run(plan, pointers):
+        plans.append(plan)
+        launch(plan, pointers)
+
+    monkeypatch.setattr(_launch, "run", run)
+    gen = torch.Generator().manual_seed(hq)
+    s, d, eps = 8, 16, 1e-6
+    q, k = (torch.randn(s, 1, h, d, generator=gen).to(DEVICE) for h in (hq, hk))
+    wq, wk = (torch.randn(d, generator=gen).to(DEVICE) for _ in range(2))
+    freqs = (torch.rand(s, 1, 1, d, generator=gen) * 10).to(DEVICE)
+    rope.set_angle_table(table)
+    try:
+        qo, ko = qn.apply_freqs(q, k, wq, wk, freqs, "sbhd", eps=eps)
+    finally:
+        rope.set_angle_table(True)
+    (plan,) = plans
+    rows_per_program, block_r = plan.arg("rows_per_program"), plan.arg("BLOCK_R")
+    assert plan.arg("TABLE") == table and (rows_per_program > block_r) == many, (rows_per_program, block_r)
+    cos, sin = freqs.double().cos(), freqs.double().sin()
+    for name, x, w, got in (("q", q, wq, qo), ("k", k, wk, ko)):
+        x64 = x.double()
+        normed = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps) * w.double()
+        want = rope.reference.rotate(normed, cos, sin, False)
+        # float32 arithmetic over a 16-channel head: the mean of squares, its rsqrt and three products each add a
+        # few float32 rounding errors (6e-8 relative); 1e-5 of |value| + 1e-5 leaves two orders of magnitude
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
