@@ -81,7 +81,7 @@ OWN_EXAMPLES = {"gpu": {
     ("te", "backward"): 20,  # worst 8
     ("te", "batch_rows_alone"): 20,  # worst 12
     ("te", "deterministic"): 20,  # worst 8
-    ("te", "forward"): 120,  # worst 76
+    ("te", "forward"): 120,  # worst 81 (thd_start_positions_skip_empty, one of 20 seeds; caught on 6 % of draws)
     ("te", "layouts_agree"): 40,  # worst 26
     ("te-qknorm", "backward"): 20,  # worst 5
     ("te-qknorm", "forward"): 30,  # worst 9 (thd_positions_not_restarting's 21: thd_equals_per_sequence, worst 6)
