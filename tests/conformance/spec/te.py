@@ -352,6 +352,11 @@ def upstream_as(kind: str, g: torch.Tensor) -> torch.Tensor:
 ROUNDINGS = 3.0
 
 
+def _empty_before_tokens(lengths) -> bool:
+    """Whether an empty sequence comes before one with tokens (start_positions index both)."""
+    return any(n == 0 and any(lengths[i + 1:]) for i, n in enumerate(lengths))
+
+
 def call(fn, case, **overrides):
     """The case's call with arguments replaced (a new name goes by keyword)."""
     return Case(case.plan, {**case.args, **overrides}, case.positional).call(fn)
@@ -963,6 +968,10 @@ TE.DOMAIN = {
                                off=lambda caps: "thd" not in caps["formats"] or not caps["int64_cu_seqlens"]),
                    domains.cls("an empty sequence", lambda p, c: p.tensor_format == "thd" and 0 in p.lengths,
                                off=lambda caps: "thd" not in caps["formats"]),
+                   domains.cls("an empty sequence before one with tokens, with start_positions",
+                               lambda p, c: p.tensor_format == "thd" and p.start_dtype is not None
+                               and _empty_before_tokens(p.lengths),
+                               off=lambda caps: "thd" not in caps["formats"] or not caps["start_positions"]),
                    domains.cls("two sequences with tokens, and heads",
                                lambda p, c: p.tensor_format == "thd" and p.h > 0 and sum(map(bool, p.lengths)) > 1,
                                off=lambda caps: "thd" not in caps["formats"])),
