@@ -32,4 +32,4 @@ RUN python -m pip install -e ".[test,bench]"
 
 # One worker per core: the GPU suite is bound by Triton compiles, not by the GPU. Work stealing: an
 # idle worker takes queued tests, so the minute-long properties do not queue up behind each other.
-CMD ["python", "-m", "pytest", "-q", "-n", "auto", "--dist", "worksteal"]
+CMD ["python", "-m", "pytest", "-q", "-n", "auto"]

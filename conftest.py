@@ -4,7 +4,6 @@ Without a CUDA device the Triton kernels run in Triton's interpreter on CPU tens
 interpreter is chosen by TRITON_INTERPRET=1, which Triton reads when it is first imported, so it
 is set here, before any test module imports `rope` (and with it, `triton`).
 """
-import itertools
 import os
 from pathlib import Path
 
@@ -61,8 +60,7 @@ settings.register_profile("cpu-interp", max_examples=20, derandomize=True, datab
 # every drawn (dtype, d, d2, mode, direction, tile) is a new Triton specialization (about 500 in 600
 # draws), compiled in about a second each; hence 100 examples per property, and `-n auto`
 # (pytest-xdist, workers share Triton's on-disk cache) to spread the compiles over the host's cores,
-# with `--dist worksteal` so that no worker is left with a queue of properties (docs/conformance.md gives the
-# measured times).
+# the longest tests first (tests/scheduling.py; docs/conformance.md gives the measured times).
 settings.register_profile("gpu", max_examples=100, **_COMMON)
 # Long hunt: thousands of examples; the accuracy checks call hypothesis.target() on the error
 # relative to the allowed bound, steering generation towards the worst case.
@@ -81,8 +79,8 @@ import pytest  # noqa: E402
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """Without a CUDA device, `pytest` runs on every core (pytest-xdist, work stealing) unless told
-    otherwise (`-n N`, `-n 0`, `-p no:xdist`).
+    """Without a CUDA device, `pytest` runs on every core (pytest-xdist, the suite's scheduler:
+    tests/scheduling.py) unless told otherwise (`-n N`, `-n 0`, `-p no:xdist`).
 
     The CPU suite is bound by Triton's interpreter, one core per process: on CI's 2-core machine
     one process takes about twice as long as two. Runs that pytest-xdist
@@ -96,8 +94,6 @@ def pytest_cmdline_main(config):
             or opt.collectonly or opt.usepdb or getattr(opt, "benchmark_only", False) or (os.cpu_count() or 1) < 2):
         return
     opt.numprocesses = "auto"
-    if opt.dist == "no":
-        opt.dist = "worksteal"
 
 
 def pytest_addoption(parser):
@@ -167,6 +163,8 @@ def pytest_configure(config):
     if hasattr(config, "workerinput"):  # the controller collects every worker's reports
         return
     config.pluginmanager.register(TargetTested(target, _is_ours(config)), "rope-target-tested")
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(LongestFirstScheduler(target), "rope-longest-first")
     path = config.getoption("--conformance-report")
     if path:
         from tests.conformance.report import ConformanceReport
@@ -212,6 +210,24 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+class LongestFirstScheduler:
+    """pytest-xdist's load distribution (`-n N`, its default `--dist load`) by tests/scheduling.py: the controller
+    hands the tests out one at a time, longest first on an estimate of each, so that no worker is left with a queue
+    of long properties. Another `--dist` mode is xdist's own."""
+
+    def __init__(self, target):
+        self.called = set(target.fns)
+
+    @pytest.hookimpl(tryfirst=True)  # before xdist's own, which answers for every mode
+    def pytest_xdist_make_scheduler(self, config, log):
+        if config.getvalue("dist") != "load":
+            return None
+        from tests import scheduling
+
+        return scheduling.LongestFirst(config, log, cost=lambda nodeid: scheduling.estimate(
+            nodeid, scheduling.native_examples, self.called.__contains__))
+
+
 class TargetTested:
     """Nothing tested is not a pass: a run that collected tests of the target, or whose target is foreign, and in
     which no test of the target executed (every one skipped, or none selected) ends with a line saying so and exit
@@ -243,66 +259,10 @@ class TargetTested:
                 red=True)
 
 
-# The longest tests, longest first: on a device the Hypothesis properties (compile-bound: most examples are a new
-# kernel specialization; batch invariance calls each example's kernels three times over, whole, alone and rolled)
-# and the command-line runs of the zoo. docs/conformance.md gives the measured times. A pattern is a tuple of parts,
-# each found in the test's node id.
-_LONGEST_FIRST = (("test_native.py::test_invariant", "batch_rows_alone]"),
-                  ("test_properties.py::test_matches_float64_reference",),
-                  ("test_native.py::test_backward",), ("test_native.py::test_forward",),
-                  ("test_zoo.py::test_through_rope_impl",), ("test_native.py::test_invariant",),
-                  ("test_zoo.py::test_correct_passes",),
-                  ("test_domains.py::test_every_declared_class_is_drawn",), ("test_properties.py",),
-                  ("test_native.py",))
-
-
-def _longest_rank(item) -> int:
-    return next((i for i, parts in enumerate(_LONGEST_FIRST) if all(part in item.nodeid for part in parts)),
-                len(_LONGEST_FIRST))
-
-
-def dealt(items: list, workers: int, idle=lambda item: False) -> list:
-    """items (longest first) laid out for pytest-xdist's work stealing, which hands worker i a run of consecutive
-    tests (n // workers for the first, then the rest evenly over the others), keeps the two at the front of a
-    worker's queue (the one running and the next) and lets an idle worker take the back half of the rest of the
-    longest queue. The tests that work are dealt into those runs in snake order (runs 0 to n - 1, then n - 1 to 0,
-    ...), so that a run's first two pair a longer test with a shorter one; the `idle` ones (tests that only skip:
-    another convention's, under a target without it) fill each run in front of them, so that what a worker steals
-    is work. Without this the longest tests would queue one after another at the front of the first worker's run,
-    and under a target the skips would be what moves."""
-    sizes, left = [], len(items)
-    for i in range(workers):
-        sizes.append(left // (workers - i))
-        left -= sizes[-1]
-    runs = [[] for _ in sizes]
-    snake = itertools.cycle([*range(workers), *reversed(range(workers))])
-    for item in (item for item in items if not idle(item)):
-        run = next(snake)
-        while len(runs[run]) >= sizes[run]:
-            run = next(snake)
-        runs[run].append(item)
-    quick = iter([item for item in items if idle(item)])
-    for run, size in zip(runs, sizes, strict=True):
-        run[:0] = [next(quick) for _ in range(size - len(run))]
-    return [item for run in runs for item in run]
-
-
-def _skips_for_target(config):
-    """Whether a collected test only skips under this run's target: a property of a convention it has no call of."""
-    fns = _target(config).fns
-
-    def idle(item) -> bool:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        return "target" in getattr(item, "fixturenames", ()) and "name" in params and params["name"] not in fns
-
-    return idle
-
-
-@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: the runs are of what is collected
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config, items):
-    """rope's own tests deselected under a foreign target; the longest tests first, dealt over pytest-xdist's
-    workers (`dealt`); every test of the target tagged with its property name (user property rope_property), for
-    the conformance report and for the count of what ran against the target."""
+    """rope's own tests deselected under a foreign target; every test of the target tagged with its property name
+    (user property rope_property), for the conformance report and for the count of what ran against the target."""
     from tests.conformance.report import property_name
 
     if not _is_ours(config):
@@ -310,8 +270,6 @@ def pytest_collection_modifyitems(config, items):
         if own:
             config.hook.pytest_deselected(items=own)
             items[:] = [item for item in items if not _own_test(item.path)]
-    items.sort(key=_longest_rank)  # stable: collection order otherwise
-    items[:] = dealt(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), _skips_for_target(config))
     for item in items:
         name = property_name(item)
         if name is not None:
