@@ -30,6 +30,7 @@ RUN python -m pip install "torch==2.11.0" "triton==3.6.0"
 COPY . .
 RUN python -m pip install -e ".[test,bench]"
 
-# One worker per core: the GPU suite is bound by Triton compiles, not by the GPU. Work stealing: an
-# idle worker takes queued tests, so the minute-long properties do not queue up behind each other.
+# One worker per core: the GPU suite is bound by Triton compiles, not by the GPU. The suite hands the
+# tests to the workers itself, longest first (tests/scheduling.py), so the minute-long properties do not
+# queue up behind each other.
 CMD ["python", "-m", "pytest", "-q", "-n", "auto"]
